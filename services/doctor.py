@@ -1,0 +1,180 @@
+"""`pdmesh doctor`: what is installed, what the machine has, and the exact fix when they disagree.
+
+Detection (which accelerators exist), the torch builds that exist for them, and the user's
+override (`PDMESH_TORCH_VARIANT`, read by the command, passed in here) are checked against each
+other. Pure functions over a `MachineFacts` snapshot, so every decision is unit-testable.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from enum import Enum
+
+TORCH_VERSION = "2.13.0"
+
+
+class TorchVariant(str, Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+    ROCM = "rocm"
+    XPU = "xpu"
+
+
+# The PyTorch wheel index for each variant, and the matching `uv --torch-backend` value.
+_INDEX = {
+    TorchVariant.CPU: ("https://download.pytorch.org/whl/cpu", "cpu"),
+    TorchVariant.CUDA: ("https://download.pytorch.org/whl/cu128", "cu128"),
+    TorchVariant.ROCM: ("https://download.pytorch.org/whl/rocm6.4", "rocm6.4"),
+    TorchVariant.XPU: ("https://download.pytorch.org/whl/xpu", "xpu"),
+}
+# Only Linux x86-64 has wheels for every variant; elsewhere only CPU builds are published
+# (macOS arm64 ships MPS inside the CPU wheel).
+_VARIANTS_BY_PLATFORM = {("Linux", "x86_64"): set(TorchVariant)}
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    """A snapshot of the host: platform, the installed torch build, and accelerators found."""
+
+    system: str
+    machine: str
+    python: str
+    torch_version: str | None  # None: torch does not import
+    torch_variant: TorchVariant | None
+    accelerators: tuple[TorchVariant, ...]  # GPU families present (never CPU)
+    evidence: tuple[str, ...]  # how each accelerator was found
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The verdict: which build fits, whether the installed one does, and the commands to fix it."""
+
+    wanted: TorchVariant
+    ok: bool
+    reason: str
+    commands: tuple[str, ...] = ()
+
+
+class OverrideRefused(ValueError):
+    """PDMESH_TORCH_VARIANT names a build that cannot work on this machine."""
+
+
+def _run(cmd: list[str]) -> str | None:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def detect_accelerators() -> tuple[tuple[TorchVariant, ...], tuple[str, ...]]:
+    found: list[TorchVariant] = []
+    evidence: list[str] = []
+    probes = [
+        (TorchVariant.CUDA, ["nvidia-smi", "-L"], ["/dev/nvidia[0-9]*"]),
+        (TorchVariant.ROCM, ["rocm-smi", "--showproductname"], ["/dev/kfd"]),
+        (TorchVariant.XPU, ["xpu-smi", "discovery"], []),
+    ]
+    for variant, cmd, nodes in probes:
+        out = _run(cmd)
+        paths = [p for pattern in nodes for p in glob.glob(pattern)]
+        if out:
+            found.append(variant)
+            evidence.append(f"{cmd[0]}: {out.splitlines()[0]}")
+        elif paths:
+            found.append(variant)
+            evidence.append(f"device nodes: {', '.join(sorted(paths)[:3])}")
+    return tuple(found), tuple(evidence)
+
+
+def torch_build() -> tuple[str | None, TorchVariant | None]:
+    try:
+        import torch
+    except Exception:  # noqa: BLE001 - a broken torch install is exactly what doctor reports
+        return None, None
+    if getattr(torch.version, "hip", None):
+        return torch.__version__, TorchVariant.ROCM
+    if getattr(torch.version, "cuda", None):
+        return torch.__version__, TorchVariant.CUDA
+    if getattr(torch.version, "xpu", None) or "+xpu" in torch.__version__:
+        return torch.__version__, TorchVariant.XPU
+    return torch.__version__, TorchVariant.CPU
+
+
+def gather_facts() -> MachineFacts:
+    version, variant = torch_build()
+    accels, evidence = detect_accelerators()
+    return MachineFacts(
+        system=platform.system(), machine=platform.machine(), python=sys.version.split()[0],
+        torch_version=version, torch_variant=variant, accelerators=accels, evidence=evidence,
+    )
+
+
+def available_variants(facts: MachineFacts) -> set[TorchVariant]:
+    return _VARIANTS_BY_PLATFORM.get((facts.system, facts.machine), {TorchVariant.CPU})
+
+
+def fix_commands(variant: TorchVariant) -> tuple[str, ...]:
+    index, backend = _INDEX[variant]
+    return (
+        f"pip install --force-reinstall --index-url {index} torch=={TORCH_VERSION}",
+        f"uv pip install --reinstall --torch-backend={backend} torch=={TORCH_VERSION}",
+    )
+
+
+def advise(facts: MachineFacts, override: str | None) -> Advice:
+    """Decide which torch build fits; raise OverrideRefused for an override that cannot work."""
+    if override:
+        try:
+            wanted = TorchVariant(override.strip().lower())
+        except ValueError:
+            names = ", ".join(v.value for v in TorchVariant)
+            raise OverrideRefused(f"PDMESH_TORCH_VARIANT={override!r} is not one of {names}") from None
+        if wanted not in available_variants(facts):
+            raise OverrideRefused(
+                f"PDMESH_TORCH_VARIANT={wanted.value}: no {wanted.value} build of torch exists for "
+                f"{facts.system}/{facts.machine}")
+        if wanted is not TorchVariant.CPU and wanted not in facts.accelerators:
+            raise OverrideRefused(
+                f"PDMESH_TORCH_VARIANT={wanted.value}: no {wanted.value} device was found on this "
+                "host (checked the vendor tools and /dev nodes), so that build could not run")
+        why = f"PDMESH_TORCH_VARIANT={wanted.value}"
+    else:
+        usable = [a for a in facts.accelerators if a in available_variants(facts)]
+        wanted = usable[0] if usable else TorchVariant.CPU
+        why = f"detected {wanted.value}" if usable else "no accelerator detected"
+    if facts.torch_version is None:
+        return Advice(wanted, False, f"torch does not import; {why}", fix_commands(wanted))
+    if facts.torch_variant is wanted:
+        return Advice(wanted, True, f"torch {facts.torch_version} ({wanted.value}) fits: {why}")
+    reason = f"installed torch is a {facts.torch_variant.value} build but {why}"
+    return Advice(wanted, False, reason, fix_commands(wanted))
+
+
+def component_status() -> list[tuple[str, str]]:
+    """Kernels build and embedded model, each reported without raising."""
+    rows: list[tuple[str, str]] = []
+    try:
+        from kernels import mxfp4
+
+        rows.append(("kernels", str(mxfp4.build_info())))
+    except Exception as exc:  # noqa: BLE001 - report, don't crash the doctor
+        rows.append(("kernels", f"unavailable: {exc}"))
+    if importlib.util.find_spec("shared.model.registry") is None:
+        rows.append(("model", "registry missing"))
+        return rows
+    try:
+        from shared.model.registry import model_status
+
+        rows.append(("model", str(model_status())))
+    except Exception as exc:  # noqa: BLE001
+        rows.append(("model", f"unavailable: {exc}"))
+    return rows
