@@ -1,0 +1,212 @@
+"""Model geometry: one frozen `ModelConfig` normalised from any supported HF `config.json`.
+
+HF configs come flat (Llama, Qwen2, Mistral) or with the language model nested under
+`text_config` (multimodal checkpoints). Both become the same `ModelConfig`; a field set in both
+places with different values is refused, so a checkpoint never loads with the wrong geometry.
+Defaults for absent keys follow the HF config class of each architecture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shared.model.rope import RopeConfig
+
+# architecture -> HF model_type, and back.
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+_BY_MODEL_TYPE = {v: k for k, v in ARCHITECTURES.items()}
+
+# HF defaults for keys a config.json may omit (from each transformers config class).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
+              "sliding_window": None},
+    "qwen2": {"max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
+              "num_key_value_heads": 32, "sliding_window": 4096},
+    "mistral": {"max_position_embeddings": 4096 * 32, "bos_token_id": 1, "eos_token_id": 2,
+                "num_key_value_heads": 8, "sliding_window": 4096},
+}
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
+    "mlp_bias": False, "hidden_act": "silu", "head_dim": None,
+}
+_NULL_IS_DEFAULT = frozenset(
+    ("rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "attention_bias",
+     "mlp_bias", "hidden_act"))
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")
+# Every key normalisation reads; these are the ones compared between flat and nested layouts.
+_TEXT_KEYS = _REQUIRED + (
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+    "rope_parameters", "original_max_position_embeddings", "max_position_embeddings",
+    "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "bos_token_id",
+    "eos_token_id", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
+    "partial_rotary_factor", "torch_dtype", "dtype",
+)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The geometry and constants of one Llama-family decoder, whatever the HF layout.
+
+    `attention_bias` means q/k/v projections carry a bias (Qwen2 always; Llama when its
+    `attention_bias` is set); `attention_out_bias` means o_proj does too (Llama only).
+    `eos_token_ids` is always a tuple (HF allows an int or a list). `torch_dtype` is the
+    checkpoint's declared storage dtype, informational only.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    attention_out_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r} "
+                             f"(supported: {', '.join(ARCHITECTURES)})")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_kv_heads})")
+
+    @property
+    def model_type(self) -> str:
+        return ARCHITECTURES[self.architecture]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @staticmethod
+    def from_hf(config_dict: Mapping[str, Any]) -> ModelConfig:
+        """Normalise a parsed HF `config.json` (flat or `text_config`-nested)."""
+        arch, cfg = _text_config(config_dict)
+        model_type = ARCHITECTURES[arch]
+        missing = [k for k in _REQUIRED if cfg.get(k) is None]
+        if missing:
+            raise ValueError(f"config is missing required fields: {', '.join(missing)}")
+        # An explicit null keeps its HF meaning (no window, no bos, "derive head_dim"...),
+        # except for keys where null can only mean "the default".
+        cfg = {**_COMMON_DEFAULTS, **_DEFAULTS[model_type],
+               **{k: v for k, v in cfg.items() if v is not None or k not in _NULL_IS_DEFAULT}}
+        if cfg["hidden_act"] != "silu":
+            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+        if cfg["mlp_bias"]:
+            raise ValueError("mlp_bias=true is not supported")
+        heads = int(cfg["num_attention_heads"])
+        max_pos = int(cfg["max_position_embeddings"])
+        _refuse_sliding_window(model_type, cfg, max_pos)
+        qkv_bias = model_type == "qwen2" or (model_type == "llama" and bool(cfg["attention_bias"]))
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg["head_dim"] or int(cfg["hidden_size"]) // heads),
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            rope=RopeConfig.from_hf(cfg, max_pos),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
+            attention_bias=qkv_bias,
+            attention_out_bias=model_type == "llama" and bool(cfg["attention_bias"]),
+            bos_token_id=None if cfg["bos_token_id"] is None else int(cfg["bos_token_id"]),
+            eos_token_ids=_token_ids(cfg["eos_token_id"]),
+            torch_dtype=_dtype_name(cfg.get("torch_dtype") or cfg.get("dtype")),
+        )
+
+
+def _text_config(d: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(architecture, the language model's config dict) from a flat or nested HF config."""
+    nested = d.get("text_config")
+    if nested is None:
+        return _architecture(d.get("architectures"), d.get("model_type")), dict(d)
+    if not isinstance(nested, Mapping):
+        raise ValueError("text_config must be an object")
+    conflicts = sorted(
+        k for k in _TEXT_KEYS
+        if d.get(k) is not None and nested.get(k) is not None and d[k] != nested[k]
+    )
+    if conflicts:
+        detail = "; ".join(f"{k}: {d[k]!r} (top level) vs {nested[k]!r} (text_config)"
+                           for k in conflicts)
+        raise ValueError(f"config.json flat and text_config layouts disagree on {detail}")
+    merged = {k: d[k] for k in _TEXT_KEYS if d.get(k) is not None}
+    merged.update(nested)
+    try:
+        arch = _architecture(nested.get("architectures"), nested.get("model_type"))
+    except ValueError:
+        # The top-level architectures name the multimodal wrapper; accept them only if they
+        # happen to name a supported text model.
+        arch = _architecture(d.get("architectures"), None)
+    return arch, merged
+
+
+def _architecture(architectures: Any, model_type: Any) -> str:
+    names = [architectures] if isinstance(architectures, str) else list(architectures or [])
+    for name in names:
+        if name in ARCHITECTURES:
+            return name
+    if model_type in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[model_type]
+    raise ValueError(f"unsupported model: architectures={names or None}, model_type={model_type!r} "
+                     f"(supported: {', '.join(ARCHITECTURES)})")
+
+
+def _refuse_sliding_window(model_type: str, cfg: Mapping[str, Any], max_pos: int) -> None:
+    """Raise if any layer would use a sliding window shorter than the context."""
+    window = cfg.get("sliding_window")
+    layer_types = list(cfg.get("layer_types") or [])
+    if model_type == "qwen2" and not layer_types:
+        # HF Qwen2: layers >= max_window_layers slide, only when use_sliding_window is set.
+        start = int(cfg.get("max_window_layers", 28))
+        if cfg.get("use_sliding_window") and int(cfg["num_hidden_layers"]) > start:
+            layer_types = ["sliding_attention"]
+    elif model_type == "mistral" and not layer_types:
+        layer_types = ["sliding_attention"]  # HF Mistral applies sliding_window to every layer
+    sliding = "sliding_attention" in layer_types
+    if sliding and window is not None and int(window) < max_pos:
+        raise ValueError(
+            f"sliding_window={window} is smaller than the context "
+            f"(max_position_embeddings={max_pos}); sliding-window attention is not supported")
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _dtype_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    return str(value).removeprefix("torch.")

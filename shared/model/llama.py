@@ -1,0 +1,274 @@
+"""The Llama-family decoder (Llama, Qwen2, Mistral) in plain torch, over the paged KV cache.
+
+Hot-path shape conventions: T = number of new tokens in the batch (all sequences packed,
+sequence-major), H / KVH = query / kv heads, D = head_dim. q, k and v come out of one fused
+Linear and gate/up out of another, so a decode step is a handful of matmuls per layer.
+Parameters are created uninitialised (on the meta device, then `to_empty`) and filled by
+`load_weights`, which takes HF tensor names and fuses them on the fly.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.model.attention import AttentionMetadata, paged_attention
+from shared.model.config import ModelConfig
+from shared.model.rope import RotaryEmbedding
+
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# HF per-layer name -> (our parameter, index of the fused slice or None).
+_LAYER_PARAMS: dict[str, tuple[str, int | None]] = {
+    "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
+    "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
+    "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 2),
+    "self_attn.q_proj.bias": ("self_attn.qkv_proj.bias", 0),
+    "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", 1),
+    "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", 2),
+    "self_attn.o_proj.weight": ("self_attn.o_proj.weight", None),
+    "self_attn.o_proj.bias": ("self_attn.o_proj.bias", None),
+    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
+    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
+    "mlp.down_proj.weight": ("mlp.down_proj.weight", None),
+    "input_layernorm.weight": ("input_layernorm.weight", None),
+    "post_attention_layernorm.weight": ("post_attention_layernorm.weight", None),
+}
+# Multimodal checkpoints prefix the language model; these rewrite to the plain layout.
+_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+             ("language_model.lm_head.", "lm_head."))
+_IGNORED = re.compile(r"(.*rotary_emb\.inv_freq$)|(^(model\.)?(vision_tower|visual|vision_model|"
+                      r"multi_modal_projector|mm_projector)\.)")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with HF numerics: normalise in float32, cast back, then scale by the weight."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
+        self.eps = eps
+        self.shape = (size,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
+        return F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype) * self.weight
+
+
+class Attention(nn.Module):
+    """Fused-qkv self-attention with RoPE, reading and writing one layer of the paged cache."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.qk_size = config.q_size + config.kv_size
+        self.scale = config.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size,
+                                  bias=config.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size,
+                                bias=config.attention_out_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
+        # Rotate q and k together: one RoPE application over H + KVH heads.
+        qk = RotaryEmbedding.apply(
+            qkv[:, : self.qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
+            cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_layer, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one Linear."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+                                      bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False,
+                                   dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM, or one pipeline stage of it.
+
+    `layer_range=(start, end)` builds only decoder layers start..end-1 (global indices); the
+    embedding exists only when start == 0 and the final norm + lm_head only when
+    end == num_layers. `forward` takes token ids [T] on the first stage and hidden states
+    [T, hidden] on later ones, and `kv_cache` holds this stage's layers only (local index
+    0 is layer `start`). With tied embeddings on a single stage, lm_head shares the embedding
+    Parameter; a last stage without the embedding loads its own copy from the embedding
+    weight. Parameters start uninitialised: call `load_weights` before use.
+    """
+
+    def __init__(self, config: ModelConfig, layer_range: tuple[int, int] | None = None,
+                 *, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        start, end = layer_range if layer_range is not None else (0, config.num_layers)
+        if not 0 <= start < end <= config.num_layers:
+            raise ValueError(f"layer_range {layer_range} is not within 0..{config.num_layers}")
+        self.config, self.dtype = config, dtype
+        self.start, self.end = start, end
+        self.is_first, self.is_last = start == 0, end == config.num_layers
+        with torch.device("meta"):
+            self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+                                 if self.is_first else None)
+            self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(start, end))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last else None
+            self.lm_head = (nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+                            if self.is_last else None)
+        self.to_empty(device="cpu")
+        if self.lm_head is not None and self.embed_tokens is not None and config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings,
+                                      dtype)
+        self.requires_grad_(False)
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.end - self.start
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """ids [T] (or hidden [T, hidden] past stage 0) -> hidden [T, hidden], normed if last."""
+        h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
+        cos, sin = self.rotary.lookup(positions)  # once per step, shared by every layer
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_cache[i], meta)
+        return self.norm(h) if self.norm is not None else h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32 (last stage only)."""
+        if self.lm_head is None:
+            raise RuntimeError("compute_logits needs the last pipeline stage")
+        return self.lm_head(hidden).float()
+
+    def wants_weight(self, name: str) -> bool:
+        """Whether HF tensor `name` is used by this stage (lets the loader skip reading it)."""
+        return _canonical(name) in self._weight_map
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (any dtype; converted), fusing q/k/v and gate/up.
+
+        Raises ValueError on an unknown name, a shape mismatch, or a weight left unloaded.
+        Names for other pipeline stages, rotary caches and vision towers are skipped.
+        """
+        wanted = self._weight_map
+        missing = set(wanted)
+        for raw_name, tensor in weights:
+            name = _canonical(raw_name)
+            if name not in wanted:
+                if self._skippable(name):
+                    continue
+                raise ValueError(f"unexpected weight {raw_name!r} for {self.config.architecture}"
+                                 f" (layers {self.start}..{self.end - 1})")
+            for param_name, part in wanted[name]:
+                self._copy_into(param_name, part, tensor, raw_name)
+            missing.discard(name)
+        if missing:
+            names = sorted(missing)
+            raise ValueError(f"checkpoint is missing weights: {', '.join(names[:8])}"
+                             + (f" (+{len(names) - 8} more)" if len(names) > 8 else ""))
+
+    @functools.cached_property
+    def _weight_map(self) -> dict[str, list[tuple[str, int | None]]]:
+        """HF name -> [(our parameter, fused slice or None)] for every tensor this stage needs.
+
+        With tied embeddings, lm_head is the embedding: a single stage shares the Parameter,
+        while a last stage without the embedding fills lm_head from `model.embed_tokens.weight`
+        (a stored `lm_head.weight` is then ignored, as in HF).
+        """
+        params = dict(self.named_parameters())
+        out: dict[str, list[tuple[str, int | None]]] = {}
+        for local, layer in enumerate(range(self.start, self.end)):
+            for suffix, (param, part) in _LAYER_PARAMS.items():
+                if f"layers.{local}.{param}" in params:
+                    out[f"model.layers.{layer}.{suffix}"] = [(f"layers.{local}.{param}", part)]
+        if self.is_first:
+            out["model.embed_tokens.weight"] = [("embed_tokens.weight", None)]
+        if self.is_last:
+            out["model.norm.weight"] = [("norm.weight", None)]
+            if not self.config.tie_word_embeddings:
+                out["lm_head.weight"] = [("lm_head.weight", None)]
+            elif not self.is_first:
+                out.setdefault("model.embed_tokens.weight", []).append(("lm_head.weight", None))
+        return out
+
+    def _skippable(self, name: str) -> bool:
+        """A known tensor this stage does not need (other stages, tied lm_head, vision...)."""
+        if _IGNORED.match(name) or name in ("model.embed_tokens.weight", "model.norm.weight",
+                                            "lm_head.weight"):
+            return True
+        m = _LAYER_NAME.fullmatch(name)
+        return (m is not None and m.group(2) in _LAYER_PARAMS
+                and not self.start <= int(m.group(1)) < self.end
+                and int(m.group(1)) < self.config.num_layers)
+
+    def _slice_bounds(self, param_name: str, part: int) -> tuple[int, int]:
+        c = self.config
+        if "qkv_proj" in param_name:
+            sizes = (c.q_size, c.kv_size, c.kv_size)
+        else:
+            sizes = (c.intermediate_size, c.intermediate_size)
+        lo = sum(sizes[:part])
+        return lo, lo + sizes[part]
+
+    @torch.no_grad()
+    def _copy_into(self, param_name: str, part: int | None, src: torch.Tensor, name: str) -> None:
+        dest = self.get_parameter(param_name)
+        if part is not None:
+            lo, hi = self._slice_bounds(param_name, part)
+            dest = dest.narrow(0, lo, hi - lo)
+        if tuple(dest.shape) != tuple(src.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, "
+                             f"expected {tuple(dest.shape)}")
+        dest.copy_(src)
+
+
+def _canonical(name: str) -> str:
+    for old, new in _PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def load_model(model_dir: Path, dtype: torch.dtype | str,
+               layer_range: tuple[int, int] | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build and load a model (or one pipeline stage) from an HF checkpoint directory.
+
+    Same as `shared.model.loader.load_model`, re-exported here for the engine's convenience.
+    """
+    from shared.model.loader import load_model as _load
+
+    return _load(model_dir, dtype, layer_range)

@@ -1,0 +1,200 @@
+"""Random-weight HF checkpoints for fast tests: `pdmesh make-model`.
+
+The checkpoint is a real HF directory (config.json with `architectures`, safetensors,
+generation_config.json, SmolLM2's tokenizer files) that both this project and HF transformers
+load. Weights are drawn so activations stay O(1) through the layers (unit-variance
+embeddings, 1/sqrt(fan_in) projections, norm weights near 1): HF's own 0.02 init would leave
+attention almost uniform and make RoPE or masking bugs invisible in logit comparisons.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from shared.model.config import ARCHITECTURES
+
+VOCAB_SIZE = 49152  # SmolLM2's tokenizer
+BOS_TOKEN_ID, EOS_TOKEN_ID = 1, 2  # <|im_start|>, <|im_end|> in SmolLM2
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json")
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 128},
+    "small": {"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 256},
+}
+_ARCH_BY_NAME = {model_type: arch for arch, model_type in ARCHITECTURES.items()}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to generate. None fields take the preset's value (or the architecture's default).
+
+    rope_type is default | linear | dynamic | llama3; rope_keys picks the config generation:
+    `legacy` (rope_theta + rope_scaling) or `v5` (rope_parameters). num_shards > 1 writes
+    sharded safetensors plus model.safetensors.index.json.
+    """
+
+    arch: str = "llama"
+    preset: str = "tiny"
+    seed: int = 0
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False  # llama only; qwen2 always has q/k/v bias
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 4.0
+    original_max_position_embeddings: int = 16  # llama3 only
+    max_position_embeddings: int = 2048
+    rope_keys: str = "legacy"
+    num_shards: int = 1
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.arch not in _ARCH_BY_NAME:
+            raise ValueError(f"arch must be one of {', '.join(_ARCH_BY_NAME)}, got {self.arch!r}")
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+        if self.rope_type not in ("default", "linear", "dynamic", "llama3"):
+            raise ValueError(f"unsupported rope_type {self.rope_type!r}")
+        if self.rope_keys not in ("legacy", "v5"):
+            raise ValueError(f"rope_keys must be legacy or v5, got {self.rope_keys!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.num_shards < 1:
+            raise ValueError("num_shards must be >= 1")
+
+
+def hf_config(spec: ModelSpec) -> dict[str, Any]:
+    """The config.json dict HF transformers would write for this spec."""
+    geometry = dict(PRESETS[spec.preset])
+    if spec.num_kv_heads is not None:
+        geometry["num_key_value_heads"] = spec.num_kv_heads
+    cfg: dict[str, Any] = {
+        "architectures": [_ARCH_BY_NAME[spec.arch]],
+        "model_type": spec.arch,
+        "vocab_size": VOCAB_SIZE,
+        **geometry,
+        "head_dim": spec.head_dim or geometry["hidden_size"] // geometry["num_attention_heads"],
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "torch_dtype": spec.dtype,
+    }
+    if spec.arch == "llama":
+        cfg.update(attention_bias=spec.attention_bias, mlp_bias=False)
+    if spec.arch in ("qwen2", "mistral"):
+        cfg.update(sliding_window=None, use_sliding_window=False)
+    scaling = _rope_scaling(spec)
+    if spec.rope_keys == "legacy":
+        cfg["rope_theta"] = spec.rope_theta
+        cfg["rope_scaling"] = scaling
+    else:
+        cfg["rope_parameters"] = {"rope_theta": spec.rope_theta, "rope_type": "default",
+                                  **(scaling or {})}
+    return cfg
+
+
+def _rope_scaling(spec: ModelSpec) -> dict[str, Any] | None:
+    if spec.rope_type == "default":
+        return None
+    out: dict[str, Any] = {"rope_type": spec.rope_type, "factor": spec.rope_factor}
+    if spec.rope_type == "llama3":
+        out.update(low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=spec.original_max_position_embeddings)
+    return out
+
+
+def random_weights(spec: ModelSpec, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """HF-named random tensors for `cfg`, deterministic in `spec.seed`."""
+    gen = torch.Generator().manual_seed(spec.seed)
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    def proj(out_f: int, in_f: int) -> torch.Tensor:
+        return normal(out_f, in_f, std=in_f ** -0.5)
+
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(VOCAB_SIZE, hidden, std=1.0)}
+    qkv_bias = spec.arch == "qwen2" or (spec.arch == "llama" and spec.attention_bias)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = 1.0 + normal(hidden, std=0.1)
+        w[p + "post_attention_layernorm.weight"] = 1.0 + normal(hidden, std=0.1)
+        for name, size in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            w[p + f"self_attn.{name}.weight"] = proj(size, hidden)
+            if qkv_bias:
+                w[p + f"self_attn.{name}.bias"] = normal(size, std=0.5)
+        w[p + "self_attn.o_proj.weight"] = proj(hidden, q)
+        if spec.arch == "llama" and spec.attention_bias:
+            w[p + "self_attn.o_proj.bias"] = normal(hidden, std=0.1)
+        w[p + "mlp.gate_proj.weight"] = proj(inter, hidden)
+        w[p + "mlp.up_proj.weight"] = proj(inter, hidden)
+        w[p + "mlp.down_proj.weight"] = proj(hidden, inter)
+    w["model.norm.weight"] = 1.0 + normal(hidden, std=0.1)
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight"] = proj(VOCAB_SIZE, hidden)
+    dtype = torch.float32 if spec.dtype == "float32" else torch.bfloat16
+    return {k: v.to(dtype).contiguous() for k, v in w.items()}
+
+
+def write_checkpoint(out_dir: Path, spec: ModelSpec, tokenizer_dir: Path | None) -> Path:
+    """Write the checkpoint into `out_dir` (created); tokenizer files copied from tokenizer_dir.
+
+    tokenizer_dir None writes weights and configs only (enough for model-level tests).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config(spec)
+    weights = random_weights(spec, cfg)
+    _write_json(out_dir / "config.json", cfg)
+    _write_json(out_dir / "generation_config.json",
+                {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID})
+    _write_weights(out_dir, weights, spec.num_shards)
+    if tokenizer_dir is not None:
+        copy_tokenizer(Path(tokenizer_dir), out_dir)
+    return out_dir
+
+
+def copy_tokenizer(src: Path, out_dir: Path) -> None:
+    """Copy SmolLM2's tokenizer files; tokenizer.json is required, the rest when present."""
+    if not (src / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {src}")
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out_dir / name)
+
+
+def _write_weights(out_dir: Path, weights: dict[str, torch.Tensor], num_shards: int) -> None:
+    meta = {"format": "pt"}
+    if num_shards == 1:
+        save_file(weights, str(out_dir / "model.safetensors"), metadata=meta)
+        return
+    names = list(weights)
+    weight_map: dict[str, str] = {}
+    for s in range(num_shards):
+        shard = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: weights[n] for n in names[s::num_shards]}
+        save_file(part, str(out_dir / shard), metadata=meta)
+        weight_map.update(dict.fromkeys(part, shard))
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    _write_json(out_dir / "model.safetensors.index.json",
+                {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,237 @@
+"""Rotary position embeddings: the RoPE configuration, its HF parsing, and the cos/sin tables.
+
+Supported scalings (HF transformers semantics): `default`, `linear` (frequencies / factor),
+`dynamic` (NTK-aware, base grows with the sequence length past `max_position_embeddings`) and
+`llama3` (low frequencies / factor, a smooth ramp in between). Anything else (yarn, longrope,
+mrope, partial rotary) is refused rather than approximated.
+
+Dynamic NTK, exactly: HF recomputes the base from `seq_len = max(position) + 1` of each forward
+call. During incremental decoding that is `p + 1` for the token at position p, so we give every
+position p the frequencies for `seq_len = max(p + 1, max_position_embeddings)`. A token's key
+then depends only on its own position, never on how the prompt was chunked, which prefix
+caching, chunked prefill and P/D transfer require. This equals HF's decode path token for token;
+a single HF forward over a prompt longer than `max_position_embeddings` instead uses the whole
+prompt's length for every token, which we deliberately do not reproduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+
+class RopeType(Enum):
+    DEFAULT = "default"
+    LINEAR = "linear"
+    DYNAMIC = "dynamic"
+    LLAMA3 = "llama3"
+
+
+_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """One model's RoPE: base `theta`, scaling `type` and its parameters.
+
+    `factor` is 1.0 for DEFAULT. `low_freq_factor`, `high_freq_factor` and
+    `original_max_position_embeddings` are set only for LLAMA3; everything else is None.
+    """
+
+    theta: float = 10000.0
+    type: RopeType = RopeType.DEFAULT
+    factor: float = 1.0
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {self.theta}")
+        if self.type in (RopeType.LINEAR, RopeType.DYNAMIC, RopeType.LLAMA3) and self.factor < 1.0:
+            raise ValueError(f"rope factor must be >= 1 for {self.type.value}, got {self.factor}")
+        if self.type is RopeType.LLAMA3:
+            if self.low_freq_factor is None or self.high_freq_factor is None:
+                raise ValueError("llama3 rope scaling needs low_freq_factor and high_freq_factor")
+            if self.high_freq_factor <= self.low_freq_factor:
+                raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
+            if not self.original_max_position_embeddings:
+                raise ValueError("llama3 rope scaling needs original_max_position_embeddings")
+
+    def as_dict(self) -> dict[str, Any]:
+        """Canonical, JSON-friendly form (for the compatibility hash and logs)."""
+        d = dataclasses.asdict(self)
+        d["type"] = self.type.value
+        return d
+
+    @staticmethod
+    def from_hf(cfg: Mapping[str, Any], max_position_embeddings: int) -> RopeConfig:
+        """Parse both key generations of an HF (text) config.
+
+        Legacy: top-level `rope_theta` plus `rope_scaling` (with `type` or `rope_type`).
+        transformers 5: `rope_parameters` holding `rope_theta`, `rope_type` and the scaling keys.
+        When both are present, a field they both set must agree, or this raises.
+        """
+        legacy = _fields_from(cfg.get("rope_scaling"), cfg.get("rope_theta"), "rope_scaling")
+        modern = _fields_from(cfg.get("rope_parameters"), None, "rope_parameters")
+        clash = sorted(k for k in legacy.keys() & modern.keys() if legacy[k] != modern[k])
+        if clash:
+            detail = ", ".join(f"{k}: {legacy[k]!r} vs {modern[k]!r}" for k in clash)
+            raise ValueError(f"rope_scaling/rope_theta and rope_parameters disagree on {detail}")
+        fields = {**legacy, **modern}
+        rope_type = _parse_type(fields.pop("type", None))
+        theta = float(fields.get("theta", 10000.0))
+        if rope_type is RopeType.DEFAULT:
+            return RopeConfig(theta=theta)
+        if "factor" not in fields:
+            raise ValueError(f"rope scaling {rope_type.value!r} needs a 'factor'")
+        if rope_type is not RopeType.LLAMA3:
+            return RopeConfig(theta=theta, type=rope_type, factor=float(fields["factor"]))
+        # HF: a top-level original_max_position_embeddings (Phi-3 style) also counts;
+        # absent everywhere, it defaults to max_position_embeddings.
+        orig, top = fields.get("original_max_position_embeddings"), cfg.get("original_max_position_embeddings")
+        if orig is not None and top is not None and int(orig) != int(top):
+            raise ValueError(
+                f"original_max_position_embeddings disagrees: {top} (top level) vs {orig} (rope block)")
+        orig = next((v for v in (orig, top) if v is not None), max_position_embeddings)
+        return RopeConfig(
+            theta=theta,
+            type=rope_type,
+            factor=float(fields["factor"]),
+            low_freq_factor=_opt_float(fields.get("low_freq_factor")),
+            high_freq_factor=_opt_float(fields.get("high_freq_factor")),
+            original_max_position_embeddings=int(orig),
+        )
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _fields_from(block: Any, theta: Any, where: str) -> dict[str, Any]:
+    """The fields one key generation sets explicitly (absent keys stay absent)."""
+    out: dict[str, Any] = {}
+    if theta is not None:
+        out["theta"] = float(theta)
+    if block is None:
+        return out
+    if not isinstance(block, Mapping):
+        raise ValueError(f"{where} must be an object, got {type(block).__name__}")
+    if any(isinstance(v, Mapping) for v in block.values()):
+        raise ValueError(f"{where} is nested per layer type; per-layer RoPE is not supported")
+    if block.get("rope_theta") is not None:
+        out["theta"] = float(block["rope_theta"])
+    kind = block.get("rope_type", block.get("type"))
+    if kind is not None:
+        out["type"] = str(kind)
+    prf = block.get("partial_rotary_factor")
+    if prf is not None and float(prf) != 1.0:
+        raise ValueError(f"partial_rotary_factor={prf} is not supported")
+    for key in _SCALING_KEYS:
+        if block.get(key) is not None:
+            out[key] = block[key]
+    return out
+
+
+def _parse_type(kind: str | None) -> RopeType:
+    try:
+        return RopeType(kind or "default")
+    except ValueError:
+        supported = ", ".join(t.value for t in RopeType)
+        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {supported})") from None
+
+
+def base_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
+    """[head_dim/2] float32 inverse frequencies, computed exactly as HF does."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    return 1.0 / (theta ** exponent)
+
+
+def scaled_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """[head_dim/2] float32 inverse frequencies for positions below max_position_embeddings."""
+    inv = base_inv_freq(rope.theta, head_dim)
+    if rope.type is RopeType.LINEAR:
+        return inv / rope.factor
+    if rope.type is RopeType.LLAMA3:
+        return _llama3(inv, rope)
+    return inv  # DEFAULT, and DYNAMIC inside the original context
+
+
+def _llama3(inv: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    assert rope.low_freq_factor is not None and rope.high_freq_factor is not None
+    assert rope.original_max_position_embeddings is not None
+    old_len, lo, hi = rope.original_max_position_embeddings, rope.low_freq_factor, rope.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    out = torch.where(wavelen > old_len / lo, inv / rope.factor, inv)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * out / rope.factor + smooth * out
+    medium = ~(wavelen < old_len / hi) * ~(wavelen > old_len / lo)
+    return torch.where(medium, smoothed, out)
+
+
+def rope_angles(rope: RopeConfig, head_dim: int, max_position_embeddings: int,
+                num_positions: int) -> torch.Tensor:
+    """[num_positions, head_dim/2] float32 angles `position * inv_freq` for positions 0..n-1."""
+    pos = torch.arange(num_positions, dtype=torch.int64).to(torch.float32)
+    angles = pos[:, None] * scaled_inv_freq(rope, head_dim)[None, :]
+    if rope.type is RopeType.DYNAMIC and num_positions > max_position_embeddings:
+        # Rows past the original context: base for seq_len = p + 1 (see the module docstring),
+        # in float32 like HF's tensor arithmetic.
+        seq = torch.arange(max_position_embeddings + 1, num_positions + 1, dtype=torch.int64)
+        growth = (rope.factor * seq / max_position_embeddings) - (rope.factor - 1)
+        base = rope.theta * growth ** (head_dim / (head_dim - 2))  # [P']
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+        inv = 1.0 / (base[:, None] ** exponent[None, :])  # [P', D/2]
+        angles[max_position_embeddings:] = pos[max_position_embeddings:, None] * inv
+    return angles
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables for one model, indexed by absolute position.
+
+    The table covers at least `max_position_embeddings` positions (built lazily in doublings
+    so a 128k-context config costs nothing until used) and grows past it on demand, which is
+    how dynamic NTK extends the context. Tables are stored in the model dtype, as HF casts
+    cos/sin to the activation dtype before rotating.
+    """
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int,
+                 dtype: torch.dtype, initial_positions: int = 4096) -> None:
+        if head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        self.rope = rope
+        self.head_dim = head_dim
+        self.max_position_embeddings = max_position_embeddings
+        self.dtype = dtype
+        self._cos_sin = torch.empty(0, head_dim, dtype=dtype)  # [P, D]: cos | sin halves
+        self._ensure(min(initial_positions, max_position_embeddings))
+
+    @property
+    def num_positions(self) -> int:
+        return self._cos_sin.shape[0]
+
+    def _ensure(self, n: int) -> None:
+        if n <= self.num_positions:
+            return
+        size = max(n, 2 * self.num_positions, 1)
+        angles = rope_angles(self.rope, self.head_dim, self.max_position_embeddings, size)
+        self._cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1).to(self.dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] long -> (cos, sin), each [T, 1, D/2], broadcastable over heads."""
+        if positions.numel():
+            self._ensure(int(positions.max()) + 1)
+        cs = self._cos_sin[positions].unsqueeze(1)  # [T, 1, D]
+        return cs.chunk(2, dim=-1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, N, D] (HF's rotate-half layout); returns a new contiguous tensor."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

