@@ -1,0 +1,194 @@
+"""The KV-transfer aiohttp app, run on its own port inside every prefill/decode worker.
+
+Same skeleton as the other services: `create_app(config, service)` builds the app with one
+route table (/kv/v1/), typed AppKey state, middlewares (OpenAI error envelope outermost, then
+HMAC), and a cleanup context that owns the service's runtime resources (HTTP client session,
+heartbeat and reaper tasks). `start_server` binds the socket first so an ephemeral port is
+known to the service (it goes into kv_transfer_params) before anything starts.
+
+Dispatch is by route; each handler names its message class. Every POST body is an envelope
+(shared.protocol.codec.seal): `_open` compares the compat hash first, then decodes the message;
+every route but the handshake also requires the caller's engine id to have completed a
+handshake. Replies are msgpack messages; errors are the OpenAI envelope
+(services.common.errors.error_middleware).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+from aiohttp import web
+
+from services.common.errors import error_middleware
+from services.kv_transfer.config import KVTransferConfig
+from services.kv_transfer.errors import BadRequestError, ConflictError
+from services.kv_transfer.pairing import check_hash, hmac_middleware, negotiate
+from services.kv_transfer.pull import PullTransfer
+from services.kv_transfer.push import PushTransfer
+from services.kv_transfer.service import KVTransferService
+from shared.protocol.codec import MAX_HEADER_BYTES, EnvelopeReader, Message, ProtocolError, encode
+from shared.protocol.messages import (
+    HandshakeAccepted,
+    HeartbeatRequest,
+    NodeInfo,
+    PullRequest,
+    PushAbort,
+    PushComplete,
+    PushRegister,
+    PushWrite,
+    ReleaseRequest,
+    ServiceInfo,
+)
+
+SERVICE_KEY = web.AppKey("kv_service", KVTransferService)
+M = TypeVar("M", bound=Message)
+# Messages sent by a peer engine after its handshake: all carry the sender's engine_id.
+P = TypeVar("P", PullRequest, ReleaseRequest, HeartbeatRequest, PushRegister, PushWrite,
+            PushComplete, PushAbort)
+routes = web.RouteTableDef()
+
+
+def reply(msg: Message) -> web.Response:
+    return web.Response(body=encode(msg), content_type="application/msgpack")
+
+
+async def _open(request: web.Request, cls: type[M],
+                pairing: bool) -> tuple[KVTransferService, M, EnvelopeReader]:
+    service = request.app[SERVICE_KEY]
+    body = await request.read()
+    try:
+        reader = EnvelopeReader(body)
+    except ProtocolError as exc:
+        raise BadRequestError(f"not a KV envelope: {exc}", code="kv_bad_envelope") from None
+    check_hash(service.identity, reader, service.config.allow_incompatible, pairing)
+    try:
+        msg = reader.message(cls)
+    except ProtocolError as exc:
+        raise BadRequestError(f"bad {cls.TAG} message: {exc}", code="kv_bad_message") from None
+    return service, msg, reader
+
+
+async def _open_peer(request: web.Request,
+                     cls: type[P]) -> tuple[KVTransferService, P, EnvelopeReader]:
+    """As `_open`, and the sender must have completed a handshake (409 otherwise)."""
+    service, msg, reader = await _open(request, cls, pairing=False)
+    service.ctx.registry.require(msg.engine_id)
+    return service, msg, reader
+
+
+def _pull(service: KVTransferService) -> PullTransfer:
+    if not isinstance(service.transfer, PullTransfer):
+        raise ConflictError("this KV service runs push mode", param="transfer_mode",
+                            code="kv_transfer_mode_mismatch")
+    return service.transfer
+
+
+def _push(service: KVTransferService) -> PushTransfer:
+    if not isinstance(service.transfer, PushTransfer):
+        raise ConflictError("this KV service runs pull mode", param="transfer_mode",
+                            code="kv_transfer_mode_mismatch")
+    return service.transfer
+
+
+@routes.get("/kv/v1/info")
+async def info(request: web.Request) -> web.Response:
+    ident = request.app[SERVICE_KEY].identity
+    return reply(ServiceInfo(ident.node, ident.compat_hash, ident.factors.to_wire()))
+
+
+@routes.post("/kv/v1/handshake")
+async def handshake(request: web.Request) -> web.Response:
+    service, peer, _ = await _open(request, NodeInfo, pairing=True)
+    negotiate(service.identity.node, peer)
+    service.ctx.registry.admit(peer)
+    ident = service.identity
+    return reply(HandshakeAccepted(ident.node, ident.compat_hash, ident.factors.to_wire()))
+
+
+@routes.post("/kv/v1/pull")
+async def pull(request: web.Request) -> web.StreamResponse:
+    service, msg, _ = await _open_peer(request, PullRequest)
+    source = _pull(service).source
+    lease = source.open(msg)
+    return await source.stream(request, lease)
+
+
+@routes.post("/kv/v1/release")
+async def release(request: web.Request) -> web.Response:
+    service, msg, _ = await _open_peer(request, ReleaseRequest)
+    return reply(_pull(service).source.release(msg))
+
+
+@routes.post("/kv/v1/heartbeat")
+async def heartbeat(request: web.Request) -> web.Response:
+    service, msg, _ = await _open_peer(request, HeartbeatRequest)
+    return reply(_pull(service).source.heartbeat(msg))
+
+
+@routes.post("/kv/v1/push/register")
+async def push_register(request: web.Request) -> web.Response:
+    service, msg, _ = await _open_peer(request, PushRegister)
+    return reply(_push(service).sender.register(msg))
+
+
+@routes.post("/kv/v1/push/write")
+async def push_write(request: web.Request) -> web.Response:
+    service, msg, reader = await _open_peer(request, PushWrite)
+    return reply(_push(service).receiver.write(msg, reader.trailing()))
+
+
+@routes.post("/kv/v1/push/complete")
+async def push_complete(request: web.Request) -> web.Response:
+    service, msg, _ = await _open_peer(request, PushComplete)
+    return reply(_push(service).receiver.complete(msg))
+
+
+@routes.post("/kv/v1/push/abort")
+async def push_abort(request: web.Request) -> web.Response:
+    service, msg, _ = await _open_peer(request, PushAbort)
+    return reply(_push(service).on_abort(msg))
+
+
+CONFIG_KEY = web.AppKey("kv_config", KVTransferConfig)
+
+
+async def _service_lifetime(app: web.Application) -> AsyncIterator[None]:
+    service = app[SERVICE_KEY]
+    await service.start()
+    try:
+        yield
+    finally:
+        await service.close()
+
+
+def create_app(config: KVTransferConfig, service: KVTransferService) -> web.Application:
+    """The KV app; `service` is built by the worker (it also calls offer/fetch/send/receive)."""
+    app = web.Application(
+        # A push write is one envelope plus one chunk; nothing larger is ever posted.
+        client_max_size=config.max_chunk_bytes + MAX_HEADER_BYTES,
+        middlewares=[error_middleware, hmac_middleware(config.secret, config.auth_max_skew_s)],
+    )
+    app[CONFIG_KEY] = config
+    app[SERVICE_KEY] = service
+    app.cleanup_ctx.append(_service_lifetime)
+    app.add_routes(routes)
+    return app
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    sock = socket.create_server((host, port), reuse_port=False)
+    sock.setblocking(False)
+    return sock
+
+
+async def start_server(config: KVTransferConfig, service: KVTransferService) -> web.AppRunner:
+    """Bind, record the port in the service, start the app; `await runner.cleanup()` stops it."""
+    sock = bind_socket(config.host, config.port)
+    service.set_port(sock.getsockname()[1])
+    runner = web.AppRunner(create_app(config, service), handle_signals=False,
+                           handler_cancellation=True, shutdown_timeout=2.0)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    return runner

@@ -1,0 +1,107 @@
+"""KVTransferConfig: the KV service's settings, built once from flags and the environment.
+
+`PDMESH_KV_SECRET` is read here and nowhere else (through the `environ` mapping handed to
+`from_args`). The transfer mode is a name here only to pick the transfer class; the mode in
+the compat hash always comes from that class's `mode` attribute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from shared.protocol.codec import MAX_CHUNK_BYTES
+from shared.protocol.messages import ROLES, TRANSFER_MODES
+
+KV_SECRET_ENV = "PDMESH_KV_SECRET"
+DEFAULT_KV_PORT = 14579
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Settings of one KV-transfer service (one per prefill or decode worker).
+
+    `advertise_host` is what goes into kv_transfer_params (defaults to `host`). Leases last
+    `lease_seconds`; decode heartbeats every lease/6 extend them to now + 2/3 lease. A push
+    rendezvous waits at most `push_deadline_seconds` for the other leg. `layer_start`/
+    `layer_end` (None: all) and `pp_size` describe a pipeline stage for negotiation.
+    """
+
+    role: str = "prefill"
+    mode: str = "pull"
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_KV_PORT
+    advertise_host: str | None = None
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    lease_seconds: float = 30.0
+    push_deadline_seconds: float = 30.0
+    max_chunk_bytes: int = MAX_CHUNK_BYTES
+    secret: bytes | None = field(default=None, repr=False)
+    allow_incompatible: bool = False
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 60.0
+    auth_max_skew_s: float = 300.0
+    layer_start: int = 0
+    layer_end: int | None = None
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"KV role must be one of {ROLES}, got {self.role!r}")
+        if self.mode not in TRANSFER_MODES:
+            raise ValueError(f"KV transfer mode must be one of {TRANSFER_MODES}, got {self.mode!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"KV port must be in [0, 65535], got {self.port}")
+        if self.lease_seconds <= 0 or self.push_deadline_seconds <= 0:
+            raise ValueError("lease and push deadline must be > 0 seconds")
+        if not 4096 <= self.max_chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"max_chunk_bytes must be in [4096, {MAX_CHUNK_BYTES}]")
+        if self.secret is not None and len(self.secret) < 16:
+            raise ValueError(f"{KV_SECRET_ENV} must be at least 16 bytes")
+
+    @property
+    def public_host(self) -> str:
+        return self.advertise_host or self.host
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.lease_seconds / 6
+
+    @property
+    def lease_extension_s(self) -> float:
+        return self.lease_seconds * 2 / 3
+
+    @property
+    def reap_interval_s(self) -> float:
+        return min(1.0, self.lease_seconds / 10)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, role: str,
+                  environ: Mapping[str, str]) -> KVTransferConfig:
+        secret = environ.get(KV_SECRET_ENV, "")
+        return cls(
+            role=role, mode=args.kv_mode, host=args.kv_host, port=args.kv_port,
+            advertise_host=args.kv_advertise_host, lease_seconds=args.kv_lease_seconds,
+            push_deadline_seconds=args.kv_push_deadline_seconds,
+            secret=secret.encode() if secret else None,
+            allow_incompatible=args.kv_allow_incompatible,
+        )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The KV-transfer flags of a prefill/decode worker."""
+    d = KVTransferConfig()
+    g = parser.add_argument_group("KV transfer (prefill/decode roles)")
+    g.add_argument("--kv-host", default=d.host, help="KV service bind address")
+    g.add_argument("--kv-port", type=int, default=d.port, help="KV service port")
+    g.add_argument("--kv-advertise-host", default=None,
+                   help="host put in kv_transfer_params (default: --kv-host)")
+    g.add_argument("--kv-mode", default=d.mode, choices=TRANSFER_MODES, help="transfer mode")
+    g.add_argument("--kv-lease-seconds", type=float, default=d.lease_seconds,
+                   help="how long a prefill holds finished KV blocks without a heartbeat")
+    g.add_argument("--kv-push-deadline-seconds", type=float, default=d.push_deadline_seconds)
+    g.add_argument("--kv-allow-incompatible", action="store_true",
+                   help="pair with workers whose compat hash differs (logs a loud warning; "
+                        "for debugging only)")

@@ -1,0 +1,230 @@
+"""Push mode: the prefill writes blocks straight into blocks the decode pre-allocated.
+
+The router issues one `transfer_id` and sends both legs concurrently.
+Decode worker (knows the prompt length after tokenizing):
+    kv = await service.push.receive(transfer_id, prefill_kv_address, num_prompt_tokens)
+    -> engine.add_request(..., prefilled=PrefilledKV(kv.block_ids, kv.num_tokens, ...))
+Prefill worker, after a `hold_kv=True` request finished its prompt:
+    await service.push.send(transfer_id, request_id, held_block_ids, num_tokens, first_token)
+    (the held blocks are released when it returns or raises)
+
+The decode registers its pre-allocated blocks (POST /kv/v1/push/register, see push_receive);
+the prefill's `send` takes that registration from a `Rendezvous` (either may come first,
+bounded by the push deadline), writes the blocks chunk by chunk (POST /kv/v1/push/write) and
+finishes with their digests and the first token (POST /kv/v1/push/complete). On failure the
+other leg is told at once (POST /kv/v1/push/abort), so neither waits out a deadline for a peer
+that already gave up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, Generic, TypeVar
+
+from services.common.errors import ApiError
+from services.kv_transfer.blocks import iter_chunks
+from services.kv_transfer.errors import ConflictError, GatewayTimeoutError, PeerError
+from services.kv_transfer.push_receive import PushReceiver
+from services.kv_transfer.transfer import KVContext, KVTransfer, PulledKV
+from shared.protocol.messages import (
+    Ack,
+    PushAbort,
+    PushComplete,
+    PushRegister,
+    PushWrite,
+    TokenLogprobWire,
+)
+from shared.protocol.tensors import RowDigester
+
+
+class PushTransfer(KVTransfer):
+    """Push mode: a `PushSender` (prefill) and a `PushReceiver` (decode) in every worker."""
+
+    mode: ClassVar[str] = "push"
+
+    def __init__(self, ctx: KVContext) -> None:
+        super().__init__(ctx)
+        self.sender = PushSender(ctx, self.mode)
+        self.receiver = PushReceiver(ctx, self.mode)
+
+    async def send(self, transfer_id: str, request_id: str, block_ids: list[int],
+                   num_tokens: int, first_token: TokenLogprobWire,
+                   decode_engine_id: str | None = None) -> int:
+        return await self.sender.send(transfer_id, request_id, block_ids, num_tokens,
+                                      first_token, decode_engine_id)
+
+    async def receive(self, transfer_id: str, prefill_address: str, num_tokens: int,
+                      prefill_engine_id: str | None = None) -> PulledKV:
+        return await self.receiver.receive(transfer_id, prefill_address, num_tokens,
+                                           prefill_engine_id)
+
+    def on_abort(self, msg: PushAbort) -> Ack:
+        """The other leg gave up: a decode's abort fails the prefill's registration (or its
+        wait for one); a prefill's abort fails the decode's open slot."""
+        if self.ctx.identity.node.role == "prefill":
+            return self.sender.abort(msg)
+        return self.receiver.abort(msg)
+
+    def reap(self) -> None:
+        self.sender.registrations.reap()
+
+    @property
+    def held_blocks(self) -> int:
+        return self.sender.held_blocks + self.receiver.held_blocks
+
+
+class PushSender:
+    """Registrations waiting for their prompt, and the write loop."""
+
+    def __init__(self, ctx: KVContext, mode: str) -> None:
+        self.ctx = ctx
+        self.mode = mode
+        self.registrations: Rendezvous[PushRegister] = Rendezvous(
+            ctx.config.push_deadline_seconds, ctx.clock)
+        self._holding: dict[str, int] = {}  # request id -> held blocks, while sending
+
+    def register(self, msg: PushRegister) -> Ack:
+        self.registrations.offer(msg.transfer_id, msg)
+        return Ack()
+
+    def abort(self, msg: PushAbort) -> Ack:
+        self.registrations.fail(msg.transfer_id, PeerError(
+            410, f"decode aborted transfer {msg.transfer_id}: {msg.reason}", "kv_push_aborted"))
+        return Ack()
+
+    async def send(self, transfer_id: str, request_id: str, block_ids: list[int],
+                   num_tokens: int, first_token: TokenLogprobWire,
+                   decode_engine_id: str | None = None) -> int:
+        """Push a finished prompt's held blocks to the decode that registered `transfer_id`
+        (which must be `decode_engine_id` when the router named one).
+
+        Returns the bytes written. The held blocks are released however this ends.
+        """
+        ctx, start = self.ctx, time.perf_counter()
+        reg: PushRegister | None = None
+        self._holding[request_id] = len(block_ids)
+        try:
+            reg = await self.registrations.take(transfer_id, ctx.config.push_deadline_seconds)
+            if decode_engine_id is not None and reg.engine_id != decode_engine_id:
+                raise ConflictError(f"transfer {transfer_id} was registered by engine "
+                                    f"{reg.engine_id}, not {decode_engine_id}",
+                                    code="kv_push_wrong_sender")
+            address = f"{reg.kv_host}:{reg.kv_port}"
+            await ctx.peers.connect(address, reg.engine_id)
+            if reg.num_tokens != num_tokens or len(reg.block_ids) != len(block_ids):
+                raise ConflictError(
+                    f"transfer {transfer_id}: decode registered {len(reg.block_ids)} blocks for "
+                    f"{reg.num_tokens} tokens, prefill has {len(block_ids)} for {num_tokens}",
+                    code="kv_push_shape_mismatch")
+            nbytes, digests = await self._write_all(address, transfer_id, block_ids)
+            done = PushComplete(ctx.identity.node.engine_id, transfer_id, num_tokens,
+                                first_token, digests)
+            await ctx.peers.call(address, "/kv/v1/push/complete", done, Ack)
+        except BaseException as exc:
+            ctx.metrics.failed(self.mode, exc.code if isinstance(exc, ApiError) else type(exc).__name__)
+            if reg is not None:  # tell the decode now, in the background
+                ctx.detach(self._notify_abort(reg, str(exc)), "push abort to decode")
+            raise
+        finally:
+            del self._holding[request_id]
+            await ctx.settle(ctx.store.release_held(request_id), f"release {request_id}")
+        ctx.metrics.observe(self.mode, "send", time.perf_counter() - start, nbytes)
+        return nbytes
+
+    async def _write_all(self, address: str, transfer_id: str,
+                         block_ids: list[int]) -> tuple[int, list[str]]:
+        """POST every chunk, digesting the blocks on the way."""
+        ctx, geo = self.ctx, self.ctx.geometry
+        digester = RowDigester(len(block_ids), geo.block_shape, geo.itemsize)
+        sent = 0
+        for out in iter_chunks(ctx.store.kv_cache, block_ids, geo, ctx.config.max_chunk_bytes,
+                               digester):
+            msg = PushWrite(ctx.identity.node.engine_id, transfer_id, out.header)
+            await ctx.peers.call(address, "/kv/v1/push/write", msg, Ack, trailing=out.payload)
+            sent += len(out.payload)
+        return sent, [d or "" for d in digester.digests]
+
+    async def _notify_abort(self, reg: PushRegister, reason: str) -> None:
+        msg = PushAbort(self.ctx.identity.node.engine_id, reg.transfer_id, reason[:500])
+        await self.ctx.peers.call(f"{reg.kv_host}:{reg.kv_port}", "/kv/v1/push/abort", msg, Ack)
+
+    @property
+    def held_blocks(self) -> int:
+        return sum(self._holding.values())
+
+
+V = TypeVar("V")
+
+
+@dataclass
+class _Slot(Generic[V]):
+    future: asyncio.Future[V]
+    created: float
+    waiting: bool = False
+    offered: bool = False
+
+
+class Rendezvous(Generic[V]):
+    """Pairs `offer(key, value)` with `await take(key, timeout)`, in either order.
+
+    A taker waits at most its timeout (then 504); an offer nobody takes is dropped by `reap`
+    after `ttl_s`; `fail` makes the current or next taker raise at once.
+    """
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._slots: dict[str, _Slot[V]] = {}
+
+    def _slot(self, key: str) -> _Slot[V]:
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = _Slot(asyncio.get_running_loop().create_future(), self.clock())
+            self._slots[key] = slot
+        return slot
+
+    def offer(self, key: str, value: V) -> None:
+        slot = self._slot(key)
+        if slot.offered or slot.future.done():
+            raise ConflictError(f"transfer {key!r} was already registered", code="kv_duplicate")
+        slot.offered = True
+        slot.future.set_result(value)
+
+    def fail(self, key: str, exc: BaseException) -> None:
+        """The offering side gave up: an untaken offer is replaced by the failure."""
+        slot = self._slot(key)
+        if slot.future.done() and not slot.waiting:
+            slot.future = asyncio.get_running_loop().create_future()
+            slot.created = self.clock()
+        if not slot.future.done():
+            slot.future.set_exception(exc)
+            slot.future.exception()  # mark retrieved: an untaken failure is not an error
+
+    async def take(self, key: str, timeout: float) -> V:
+        slot = self._slot(key)
+        if slot.waiting:
+            raise ConflictError(f"transfer {key!r} already has a waiting sender",
+                                code="kv_duplicate")
+        slot.waiting = True
+        try:
+            return await asyncio.wait_for(asyncio.shield(slot.future), timeout)
+        except TimeoutError:
+            raise GatewayTimeoutError(f"transfer {key!r}: the other side did not arrive within "
+                                      f"{timeout:.1f}s", code="kv_push_deadline") from None
+        finally:
+            if self._slots.get(key) is slot:
+                del self._slots[key]
+
+    def reap(self) -> int:
+        """Drop slots nobody waits on that are older than the ttl; returns how many."""
+        now = self.clock()
+        stale = [k for k, s in self._slots.items() if not s.waiting and now - s.created > self.ttl_s]
+        for key in stale:
+            del self._slots[key]
+        return len(stale)
+
+    def __len__(self) -> int:
+        return len(self._slots)

@@ -1,0 +1,111 @@
+"""KVTransferService: one per prefill/decode worker; the object a worker keeps and calls.
+
+It picks the transfer class from the configured mode name, derives the compat factors from
+that class (never from the name), checks the model spec against the cache tensor it was given,
+and owns the runtime pieces: the peer client (HTTP session), heartbeats, and the reaper timer.
+Its lifetime is driven by the KV app's cleanup context (`start`/`close`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import aiohttp
+from prometheus_client import CollectorRegistry
+
+from services.kv_transfer.config import KVTransferConfig
+from services.kv_transfer.pairing import KVIdentity, PeerRegistry
+from services.kv_transfer.peers import PeerClient
+from services.kv_transfer.pull import PullTransfer
+from services.kv_transfer.push import PushTransfer
+from services.kv_transfer.store import KVBlockStore, KVGeometry
+from services.kv_transfer.transfer import KVContext, KVTransfer, KVTransferMetrics
+from shared.protocol.compat import CompatFactors, ModelKVSpec
+from shared.protocol.messages import NodeInfo
+
+log = logging.getLogger("pdmesh.kv_transfer")
+TRANSFER_CLASSES: dict[str, type[KVTransfer]] = {c.mode: c for c in (PullTransfer, PushTransfer)}
+
+
+def _check_spec(spec: ModelKVSpec, geo: KVGeometry, config: KVTransferConfig) -> int:
+    """The cache tensor must match what the hash claims; returns the stage's layer end."""
+    layer_end = config.layer_end if config.layer_end is not None else spec.num_layers
+    if layer_end - config.layer_start != geo.num_layers:
+        raise ValueError(f"KV cache has {geo.num_layers} layers, config says "
+                         f"[{config.layer_start}, {layer_end})")
+    if (spec.num_kv_heads, spec.head_dim) != (geo.num_kv_heads, geo.head_dim):
+        raise ValueError(f"KV cache heads/dim {geo.num_kv_heads}/{geo.head_dim} differ from the "
+                         f"model's {spec.num_kv_heads}/{spec.head_dim}")
+    if spec.kv_dtype != geo.dtype:
+        raise ValueError(f"KV cache dtype {geo.dtype} differs from the spec's {spec.kv_dtype}")
+    return layer_end
+
+
+class KVTransferService:
+    """The KV service of one worker. `transfer` is the mode's class instance; `pull`/`push`
+    give it typed (and fail loudly when the worker runs the other mode)."""
+
+    def __init__(self, config: KVTransferConfig, spec: ModelKVSpec, store: KVBlockStore,
+                 registry: CollectorRegistry, clock: Callable[[], float] = time.monotonic) -> None:
+        transfer_cls = TRANSFER_CLASSES[config.mode]
+        geo = KVGeometry.of(store.kv_cache)
+        layer_end = _check_spec(spec, geo, config)
+        node = NodeInfo(config.engine_id, config.role, transfer_cls.mode, geo.block_size,
+                        geo.num_blocks, config.layer_start, layer_end, config.pp_size,
+                        config.public_host, config.port)
+        identity = KVIdentity(node, CompatFactors.for_transfer(spec, transfer_cls))
+        self.config = config
+        self.metrics = KVTransferMetrics(registry)
+        self.ctx = KVContext(config, identity, store, geo, self.metrics, PeerRegistry(), clock)
+        self.transfer = transfer_cls(self.ctx)
+        self.metrics.bind(lambda: self.transfer.held_blocks, self.transfer.oldest_age)
+        self._http: aiohttp.ClientSession | None = None
+        self._reaper: asyncio.Task | None = None
+
+    @property
+    def identity(self) -> KVIdentity:
+        return self.ctx.identity
+
+    @property
+    def pull(self) -> PullTransfer:
+        if not isinstance(self.transfer, PullTransfer):
+            raise RuntimeError(f"this worker runs KV mode {self.transfer.mode!r}, not pull")
+        return self.transfer
+
+    @property
+    def push(self) -> PushTransfer:
+        if not isinstance(self.transfer, PushTransfer):
+            raise RuntimeError(f"this worker runs KV mode {self.transfer.mode!r}, not push")
+        return self.transfer
+
+    def set_port(self, port: int) -> None:
+        """Record the bound port (port 0 = ephemeral) before the service starts."""
+        node = dataclasses.replace(self.ctx.identity.node, kv_port=port)
+        self.ctx.identity = KVIdentity(node, self.ctx.identity.factors)
+
+    async def start(self) -> None:
+        cfg = self.config
+        timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, connect=cfg.connect_timeout_s)
+        self._http = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        self.ctx.peer_client = PeerClient(self.ctx, self._http, cfg.secret, cfg.allow_incompatible)
+        await self.transfer.start()
+        self._reaper = asyncio.ensure_future(self._reap_forever())
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reap_interval_s)
+            self.transfer.reap()
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+        await self.transfer.close()
+        await self.ctx.drain()
+        if self._http is not None:
+            await self._http.close()
+        self.ctx.peer_client = None

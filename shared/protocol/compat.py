@@ -1,0 +1,166 @@
+"""The KV compatibility hash: which workers may exchange KV blocks at all.
+
+`compat_hash` is SHA-256 over the sorted-key msgpack encoding of `CompatFactors`: protocol
+version, model id and weights fingerprint, dtype and KV dtype, layers, KV heads, head dim, the
+RoPE configuration, the KV layout and the transfer mode. Block size, KV capacity and pipeline
+size are deliberately left out; they are negotiated after the hash matches.
+
+The transfer mode is never passed by a call site: `CompatFactors.for_transfer` reads it from the
+transfer class's `mode` attribute, so the hash and the running code cannot disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import msgpack
+
+from shared.model.attention import KV_LAYOUT
+from shared.protocol.codec import KV_PROTOCOL_VERSION
+
+if TYPE_CHECKING:
+    from shared.model.config import ModelConfig
+
+RopeValue = str | int | float | bool | None
+
+
+class HasTransferMode(Protocol):
+    mode: ClassVar[str]
+
+
+@dataclass(frozen=True)
+class ModelKVSpec:
+    """What the engine knows about its KV cache's meaning (everything but the transfer mode).
+
+    `rope` is the checkpoint's RoPE configuration (theta, scaling type and factors...), kept as
+    sorted (key, value) pairs so the dataclass stays hashable and canonical.
+    """
+
+    model_id: str
+    weights_fingerprint: str
+    dtype: str
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    rope: tuple[tuple[str, RopeValue], ...] = ()
+    kv_layout: str = KV_LAYOUT
+
+    @staticmethod
+    def rope_items(rope: Mapping[str, Any]) -> tuple[tuple[str, RopeValue], ...]:
+        """Canonical, hashable form of a RoPE config dict (enums become their value, other
+        non-scalars their repr)."""
+        def scalar(v: Any) -> RopeValue:
+            v = v.value if isinstance(v, Enum) else v
+            return v if isinstance(v, str | int | float | bool) or v is None else repr(v)
+        return tuple(sorted((str(k), scalar(v)) for k, v in rope.items()))
+
+    @classmethod
+    def from_model(cls, model_id: str, weights_fingerprint: str, dtype: str, kv_dtype: str,
+                   config: ModelConfig) -> ModelKVSpec:
+        """The spec of a loaded model (ModelConfig carries geometry and RoPE)."""
+        return cls(model_id=model_id, weights_fingerprint=weights_fingerprint, dtype=dtype,
+                   kv_dtype=kv_dtype, num_layers=config.num_layers,
+                   num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                   rope=cls.rope_items(dataclasses.asdict(config.rope)))
+
+
+@dataclass(frozen=True)
+class CompatFactors:
+    """Every factor of the compat hash; travels next to the hash so a rejection can name
+    each differing factor with both values."""
+
+    protocol_version: int
+    model_id: str
+    weights_fingerprint: str
+    dtype: str
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    rope: tuple[tuple[str, RopeValue], ...]
+    kv_layout: str
+    transfer_mode: str
+
+    @classmethod
+    def for_transfer(cls, spec: ModelKVSpec, transfer_cls: type[HasTransferMode]) -> CompatFactors:
+        return cls(
+            protocol_version=KV_PROTOCOL_VERSION, model_id=spec.model_id,
+            weights_fingerprint=spec.weights_fingerprint, dtype=spec.dtype,
+            kv_dtype=spec.kv_dtype, num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, rope=spec.rope,
+            kv_layout=spec.kv_layout, transfer_mode=transfer_cls.mode,
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain, canonical data: RoPE as a sorted map (msgpack/JSON friendly)."""
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["rope"] = {k: v for k, v in self.rope}
+        return dict(sorted(out.items()))
+
+    @property
+    def hash(self) -> str:
+        return compat_hash(self)
+
+
+def compat_hash(factors: CompatFactors) -> str:
+    """SHA-256 hex over the sorted-key msgpack encoding of the factors (stable across runs)."""
+    canonical = msgpack.packb(factors.to_wire(), use_bin_type=True)
+    return hashlib.sha256(canonical).hexdigest()
+
+
+@dataclass(frozen=True)
+class FactorDiff:
+    name: str
+    local: str
+    remote: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: local {self.local} vs remote {self.remote}"
+
+
+_ABSENT = "<absent>"
+
+
+def diff_factors(local: CompatFactors, remote: object) -> list[FactorDiff]:
+    """Name every factor that differs, from the peer's *undecoded* factors (any shape).
+
+    Tolerates garbage and other protocol versions: unknown factors on either side are listed
+    as absent on the other, and a non-map yields a single "factors" entry.
+    """
+    mine = local.to_wire()
+    if not isinstance(remote, dict):
+        return [FactorDiff("factors", "<map>", _short(remote))]
+    names = sorted(set(mine) | {k for k in remote if isinstance(k, str)})
+    diffs = []
+    for name in names:
+        a = _short(mine[name]) if name in mine else _ABSENT
+        b = _short(remote[name]) if name in remote else _ABSENT
+        if a != b:
+            diffs.append(FactorDiff(name, a, b))
+    return diffs
+
+
+def _short(value: object, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def fingerprint_files(paths: Iterable[Path], chunk: int = 1 << 20) -> str:
+    """Weights fingerprint: sha256 over each file's name, size and full contents, in name order.
+
+    Hashing the contents (not just the headers) is what catches two fine-tunes of one shape.
+    """
+    h = hashlib.sha256()
+    for path in sorted(Path(p) for p in paths):
+        h.update(path.name.encode() + b"\0" + str(path.stat().st_size).encode() + b"\0")
+        with path.open("rb") as f:
+            while block := f.read(chunk):
+                h.update(block)
+    return h.hexdigest()

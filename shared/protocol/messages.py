@@ -1,0 +1,252 @@
+"""Wire messages of the KV-transfer protocol (one frozen dataclass per message type).
+
+Each class registers under its tag with the codec; requests travel inside an envelope
+(codec.seal), replies and stream frames as bare messages. Block ids are always the sender's
+own ids; a receiver never trusts them without checking them against its lease or slot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from shared.protocol.codec import Message, ProtocolError, from_fields, to_fields
+
+TRANSFER_MODES = ("pull", "push")
+ROUTING_FLAGS = frozenset({"do_remote_prefill", "do_remote_decode"})  # vLLM-style hints
+ROLES = ("prefill", "decode")
+# Wire dtype names and their item sizes (shared.protocol.tensors maps them to torch dtypes).
+DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1, "int32": 4, "int64": 8}
+
+
+@dataclass(frozen=True)
+class NodeInfo(Message, tag="node_info"):
+    """One side of a pairing: the handshake request (decode in pull, both sides in push)
+    and the negotiable facts that are deliberately not in the compat hash."""
+
+    engine_id: str
+    role: str
+    transfer_mode: str
+    block_size: int
+    num_blocks: int
+    layer_start: int  # this KV service holds layers [layer_start, layer_end) (pipeline stage)
+    layer_end: int
+    pp_size: int
+    kv_host: str
+    kv_port: int
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES or self.transfer_mode not in TRANSFER_MODES:
+            raise ValueError(f"bad role/mode {self.role!r}/{self.transfer_mode!r}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.kv_host}:{self.kv_port}"
+
+
+@dataclass(frozen=True)
+class HandshakeAccepted(Message, tag="handshake_ok"):
+    """Reply to a handshake: the server's node, hash and factors, re-checked by the client."""
+
+    node: NodeInfo
+    compat_hash: str
+    factors: dict[str, object]
+
+
+@dataclass(frozen=True)
+class TokenLogprobWire(Message, tag="token_logprob"):
+    """The first token sampled by the prefill, with its logprob and top alternatives."""
+
+    token_id: int
+    logprob: float | None = None
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class KVTransferParams(Message, tag="kv_params"):
+    """What a prefill returns (as JSON, under `kv_transfer_params`) and a decode consumes.
+
+    `lease_expiry` is wall-clock (time.time()) because it crosses hosts; `digests[i]` is the
+    digest of block `block_ids[i]` (see shared.protocol.tensors.block_digest).
+    """
+
+    transfer_mode: str
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_request_id: str
+    lease_id: str
+    block_ids: list[int]
+    num_tokens: int
+    block_size: int
+    first_token: TokenLogprobWire
+    lease_expiry: float
+    digests: list[str]
+    compat_hash: str
+
+    def __post_init__(self) -> None:
+        if self.transfer_mode not in TRANSFER_MODES:
+            raise ValueError(f"unknown transfer_mode {self.transfer_mode!r}")
+        if self.num_tokens < 1 or self.block_size < 1:
+            raise ValueError("num_tokens and block_size must be >= 1")
+        if len(self.block_ids) != math.ceil(self.num_tokens / self.block_size):
+            raise ValueError(f"{len(self.block_ids)} block ids for {self.num_tokens} tokens "
+                             f"at block size {self.block_size}")
+        if len(self.digests) != len(self.block_ids):
+            raise ValueError("one digest per block is required")
+
+    @property
+    def remote_address(self) -> str:
+        return f"{self.remote_host}:{self.remote_port}"
+
+    def to_json(self) -> dict:
+        """The JSON object a prefill returns, with vLLM's routing flags for the router."""
+        return {**to_fields(self), "do_remote_prefill": True, "do_remote_decode": False}
+
+    @staticmethod
+    def from_json(data: object) -> KVTransferParams:
+        """Parse a JSON object; raises ProtocolError (a ValueError) on anything malformed.
+        The routing flags are accepted and dropped; any other unknown field is an error."""
+        if not isinstance(data, dict):
+            raise ProtocolError("kv_transfer_params must be an object")
+        fields = {k: v for k, v in data.items() if k not in ROUTING_FLAGS}
+        return from_fields(KVTransferParams, fields)
+
+
+@dataclass(frozen=True)
+class PullRequest(Message, tag="pull"):
+    engine_id: str  # the caller's engine id (must have handshaken)
+    remote_request_id: str
+    lease_id: str
+    block_ids: list[int]  # what the caller was told; must equal the lease's blocks
+
+
+@dataclass(frozen=True)
+class TensorChunk(Message, tag="tensor_chunk"):
+    """Header of one raw tensor payload: a box `[offset, offset + shape)` of a larger tensor.
+
+    Both lists are full rank. The payload is the box's bytes, C-contiguous, little-endian.
+    """
+
+    dtype: str
+    shape: list[int]
+    offset: list[int]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_ITEMSIZE:
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        if len(self.shape) != len(self.offset) or not self.shape:
+            raise ValueError("shape and offset must have the same, non-zero rank")
+        if any(s < 0 for s in self.shape) or any(o < 0 for o in self.offset):
+            raise ValueError("negative shape or offset")
+
+    @property
+    def payload_nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class StreamEnd(Message, tag="stream_end"):
+    num_chunks: int
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class StreamError(Message, tag="stream_error"):
+    """Sent in place of the next chunk when a stream cannot go on (e.g. lease expired)."""
+
+    status: int
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ReleaseRequest(Message, tag="release"):
+    engine_id: str
+    remote_request_id: str
+    lease_id: str
+
+
+@dataclass(frozen=True)
+class LeaseRef(Message, tag="lease_ref"):
+    remote_request_id: str
+    lease_id: str
+
+
+@dataclass(frozen=True)
+class LeaseStatus(Message, tag="lease_status"):
+    remote_request_id: str
+    state: str  # a LeaseState value, or "unknown"
+    expires_in_s: float
+
+
+@dataclass(frozen=True)
+class ReleaseResult(Message, tag="release_ok"):
+    lease: LeaseStatus
+
+
+@dataclass(frozen=True)
+class HeartbeatRequest(Message, tag="heartbeat"):
+    """One batched heartbeat per peer: extends every listed lease still held."""
+
+    engine_id: str
+    leases: list[LeaseRef]
+
+
+@dataclass(frozen=True)
+class HeartbeatResult(Message, tag="heartbeat_ok"):
+    leases: list[LeaseStatus]
+
+
+@dataclass(frozen=True)
+class PushRegister(Message, tag="push_register"):
+    """Decode -> prefill: these pre-allocated blocks await the prompt of `transfer_id`."""
+
+    engine_id: str
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+    kv_host: str
+    kv_port: int
+
+
+@dataclass(frozen=True)
+class PushWrite(Message, tag="push_write"):
+    """Prefill -> decode: one chunk (the raw payload trails the envelope)."""
+
+    engine_id: str
+    transfer_id: str
+    chunk: TensorChunk
+
+
+@dataclass(frozen=True)
+class PushComplete(Message, tag="push_complete"):
+    engine_id: str
+    transfer_id: str
+    num_tokens: int
+    first_token: TokenLogprobWire
+    digests: list[str]
+
+
+@dataclass(frozen=True)
+class PushAbort(Message, tag="push_abort"):
+    """Either side -> the other: give up `transfer_id` now (errors propagate both ways)."""
+
+    engine_id: str
+    transfer_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Ack(Message, tag="ack"):
+    ok: bool = True
+
+
+@dataclass(frozen=True)
+class ServiceInfo(Message, tag="info"):
+    """GET /kv/v1/info: what a router needs to pair workers without a handshake."""
+
+    node: NodeInfo
+    compat_hash: str
+    factors: dict[str, object]

@@ -1,0 +1,118 @@
+"""P/D through real engines: prefill on one engine, KV moved by the KV services, decode on
+another; the tokens equal a single (mixed) engine's, and no block stays held or allocated.
+
+Uses a small random-weight checkpoint (not the real SmolLM2), so it stays fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.kv_transfer.app import start_server
+from services.kv_transfer.config import KVTransferConfig
+from services.kv_transfer.service import KVTransferService
+from services.kv_transfer.store import EngineBlockStore
+from shared.config import EngineConfig
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.request import PrefilledKV
+from shared.engine.sampling_params import SamplingParams
+from shared.model.make_model import ModelSpec, write_checkpoint
+from shared.model.registry import resolve_model
+from shared.protocol.compat import ModelKVSpec
+from shared.protocol.messages import TokenLogprobWire
+
+PROMPT = [(7 * i + 11) % 4000 + 3 for i in range(45)]  # 45 tokens: 3 blocks of 16, partial last
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tokenizer = resolve_model("smollm2-135m-instruct", progress=False)
+    spec = ModelSpec(preset="small", tie_word_embeddings=False, seed=0)
+    return write_checkpoint(tmp_path_factory.mktemp("kv-ckpt"), spec, tokenizer)
+
+
+class Worker:
+    """An engine plus its KV service, as a prefill or decode worker would hold them."""
+
+    def __init__(self, engine: AsyncEngine, service: KVTransferService, runner) -> None:
+        self.engine, self.service, self.runner = engine, service, runner
+
+    async def run(self, request_id: str, max_tokens: int, **kw) -> list[int]:
+        params = SamplingParams(max_tokens=max_tokens, **GREEDY)
+        final = None
+        async for out in self.engine.generate(request_id, PROMPT, params, **kw):
+            final = out
+        assert final is not None and final.error is None, final
+        return final.token_ids
+
+    async def blocks(self) -> tuple[int, int, int]:
+        s = await self.engine.call_in_engine(lambda e: e.stats())
+        return s.num_total_blocks - s.num_free_blocks, s.num_held_blocks, s.num_running
+
+
+async def start_worker(ckpt: Path, role: str, mode: str) -> Worker:
+    cfg = EngineConfig(model=str(ckpt), kv_cache_memory_bytes=8 << 20, num_threads=1)
+    engine = AsyncEngine(cfg)
+    await engine.start()
+    kv_cache = await engine.call_in_engine(lambda e: e.runner.kv_cache)
+    spec = ModelKVSpec.from_model("small-random", engine.fingerprint, cfg.dtype,
+                                  cfg.resolved_kv_dtype, engine.model_config)
+    kv_cfg = KVTransferConfig(role=role, mode=mode, port=0)
+    service = KVTransferService(kv_cfg, spec, EngineBlockStore(engine, kv_cache),
+                                CollectorRegistry())
+    return Worker(engine, service, await start_server(kv_cfg, service))
+
+
+@pytest.fixture
+async def workers(ckpt: Path):
+    started: list[Worker] = []
+
+    async def make(role: str, mode: str) -> Worker:
+        started.append(await start_worker(ckpt, role, mode))
+        return started[-1]
+
+    yield make
+    for w in started:
+        await w.runner.cleanup()
+        await w.engine.shutdown()
+
+
+async def prefill(p: Worker, request_id: str) -> tuple[int, list[int]]:
+    first = (await p.run(request_id, 1, hold_kv=True))[0]
+    held = await p.engine.call_in_engine(lambda e: e.held_block_ids(request_id))
+    assert held is not None
+    return first, held
+
+
+async def test_pull_pd_equals_mixed(workers) -> None:
+    p, d = await workers("prefill", "pull"), await workers("decode", "pull")
+    mixed = await p.run("mixed", 8)
+    first, held = await prefill(p, "req")
+    params = await p.service.pull.offer("req", held, len(PROMPT), TokenLogprobWire(first))
+    kv = await d.service.pull.fetch(params)
+    tokens = await d.run("req", 8, prefilled=PrefilledKV(tuple(kv.block_ids), kv.num_tokens,
+                                                         kv.first_token.token_id))
+    assert tokens == mixed
+    await asyncio.gather(p.service.ctx.drain(), d.service.ctx.drain())
+    await p.service.ctx.drain()
+    assert await p.blocks() == (0, 0, 0) and await d.blocks() == (0, 0, 0)
+
+
+async def test_push_pd_equals_mixed(workers) -> None:
+    p, d = await workers("prefill", "push"), await workers("decode", "push")
+    mixed = await d.run("mixed", 8)
+    receive = asyncio.ensure_future(d.service.push.receive("t1", p.service.identity.node.address,
+                                                           len(PROMPT)))
+    first, held = await prefill(p, "req")
+    await p.service.push.send("t1", "req", held, len(PROMPT), TokenLogprobWire(first))
+    kv = await receive
+    tokens = await d.run("req", 8, prefilled=PrefilledKV(tuple(kv.block_ids), kv.num_tokens,
+                                                         kv.first_token.token_id))
+    assert tokens == mixed
+    await asyncio.gather(p.service.ctx.drain(), d.service.ctx.drain())
+    assert await p.blocks() == (0, 0, 0) and await d.blocks() == (0, 0, 0)
