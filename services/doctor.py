@@ -14,12 +14,12 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 TORCH_VERSION = "2.13.0"
 
 
-class TorchVariant(str, Enum):
+class TorchVariant(StrEnum):
     CPU = "cpu"
     CUDA = "cuda"
     ROCM = "rocm"

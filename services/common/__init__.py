@@ -1,0 +1,1 @@
+"""aiohttp building blocks shared by every pdmesh service (worker, router, KV transfer)."""

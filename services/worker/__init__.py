@@ -1,0 +1,1 @@
+"""The pdmesh worker: an OpenAI-compatible aiohttp server around one engine."""

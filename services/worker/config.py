@@ -1,0 +1,139 @@
+"""WorkerConfig: built once from command-line flags and the environment, then passed down.
+
+This module and `services/commands/serve.py` are the only places that look at `os.environ`
+(through the `environ` mapping handed to `from_args`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from services.common.units import parse_size
+from shared.config import DEFAULT_MODEL, EngineConfig
+
+API_KEY_ENV = "PDMESH_API_KEY"
+DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
+
+
+class WorkerRole(StrEnum):
+    """What part of a request a worker serves; prefill/decode arrive with KV transfer."""
+
+    MIXED = "mixed"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+SUPPORTED_ROLES = (WorkerRole.MIXED,)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything one worker process needs: its engine, HTTP surface and limits.
+
+    `max_queue` bounds admission: at most `engine.max_num_seqs + max_queue` engine sequences
+    (an n=4 request counts 4) may be in flight; beyond that requests get 429.
+    `served_model_names` are the names clients may send as `model` (empty: `engine.model`);
+    the first one is reported back in responses.
+    """
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    role: WorkerRole = WorkerRole.MIXED
+    host: str = "127.0.0.1"
+    port: int = 8100
+    api_keys: tuple[str, ...] = ()
+    max_body_size: int = DEFAULT_MAX_BODY_SIZE
+    max_queue: int = 256
+    drain_grace_seconds: float = 30.0
+    served_model_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.role not in SUPPORTED_ROLES:
+            raise ValueError(f"role {self.role.value!r} is not supported yet (only 'mixed')")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_body_size < 1024:
+            raise ValueError(f"max_body_size must be >= 1 KiB, got {self.max_body_size}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.drain_grace_seconds < 0:
+            raise ValueError("drain_grace_seconds must be >= 0")
+        if any(not key for key in self.api_keys):
+            raise ValueError("API keys must be non-empty")
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return self.served_model_names or (self.engine.model,)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_names[0]
+
+    @property
+    def admission_capacity(self) -> int:
+        return self.engine.max_num_seqs + self.max_queue
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str]) -> WorkerConfig:
+        """Flags win; `PDMESH_API_KEY` (comma separated) is used only when no --api-key is given."""
+        keys = tuple(args.api_key or ())
+        if not keys:
+            keys = tuple(k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip())
+        engine = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            block_size=args.block_size,
+            kv_cache_memory_bytes=parse_size(args.kv_cache_memory),
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=not args.no_prefix_caching,
+            enable_chunked_prefill=not args.no_chunked_prefill,
+            num_threads=args.threads,
+            quantization=args.quantization,
+            seed=args.seed,
+        )
+        return cls(
+            engine=engine,
+            role=WorkerRole(args.role),
+            host=args.host,
+            port=args.port,
+            api_keys=keys,
+            max_body_size=parse_size(args.max_body_size),
+            max_queue=args.max_queue,
+            drain_grace_seconds=args.drain_grace_seconds,
+            served_model_names=tuple(args.served_model_name or ()),
+        )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pdmesh serve` / `python -m services.worker`."""
+    d = EngineConfig()
+    w = WorkerConfig()
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name, HF directory or GGUF file")
+    parser.add_argument("--role", default="mixed", choices=[r.value for r in WorkerRole],
+                        help="worker role (only 'mixed' for now)")
+    parser.add_argument("--host", default=w.host)
+    parser.add_argument("--port", type=int, default=w.port)
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="names accepted as 'model' (default: --model); the first is reported")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help=f"accepted bearer key, repeatable (default: ${API_KEY_ENV}, comma separated)")
+    parser.add_argument("--max-body-size", default=str(w.max_body_size), help="e.g. 4MiB")
+    parser.add_argument("--max-queue", type=int, default=w.max_queue,
+                        help="sequences allowed beyond --max-num-seqs before answering 429")
+    parser.add_argument("--drain-grace-seconds", type=float, default=w.drain_grace_seconds)
+    eng = parser.add_argument_group("engine")
+    eng.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
+    eng.add_argument("--max-model-len", type=int, default=None)
+    eng.add_argument("--block-size", type=int, default=d.block_size)
+    eng.add_argument("--kv-cache-memory", default="256MiB", help="KV-cache budget, e.g. 256MiB")
+    eng.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    eng.add_argument("--no-prefix-caching", action="store_true")
+    eng.add_argument("--no-chunked-prefill", action="store_true")
+    eng.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    eng.add_argument("--quantization", default=None, choices=["mxfp4"])
+    eng.add_argument("--seed", type=int, default=d.seed)

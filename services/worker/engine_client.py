@@ -1,0 +1,77 @@
+"""The slice of `shared.engine.AsyncEngine` the worker uses, and how the real one is built.
+
+Written as a Protocol so tests can serve a deterministic fake engine through the same app.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
+
+from shared.config import EngineConfig
+from shared.engine.outputs import RequestOutput
+from shared.engine.sampling_params import SamplingParams
+
+
+class TokenizerLike(Protocol):
+    eos_token_ids: Sequence[int]
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = ..., tools: Any = ...
+    ) -> str: ...
+
+
+class EngineStatsLike(Protocol):
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    block_size: int
+
+
+class EngineClient(Protocol):
+    """An engine that runs on its own thread and streams `RequestOutput`s to asyncio.
+
+    Leaving a `generate` iterator early (or calling `abort`) frees the request's KV blocks
+    within one engine step.
+    """
+
+    tokenizer: TokenizerLike
+    model_config: Any  # shared.model.config.ModelConfig (vocab_size...)
+    config: EngineConfig
+    engine_id: str
+    max_model_len: int
+    fingerprint: str
+
+    @property
+    def healthy(self) -> bool: ...
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStatsLike: ...
+
+
+EngineFactory = Callable[[EngineConfig], EngineClient]
+
+
+def real_engine_factory(config: EngineConfig) -> EngineClient:
+    """Build the real AsyncEngine; imported lazily (torch) so the CLI and tests stay light."""
+    from shared.engine.async_engine import AsyncEngine
+
+    return AsyncEngine(config)

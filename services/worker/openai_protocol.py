@@ -1,0 +1,204 @@
+"""Typed requests of /v1/completions and /v1/chat/completions, parsed from JSON.
+
+Parsing checks types and ranges that need no model (each error a 400 naming the field);
+checks that need the tokenizer or the context length (token ids in the vocabulary, prompt
+plus max_tokens within max_model_len) happen in `prompts.py`. Unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.errors import BadRequestError
+from services.worker.chat_messages import ChatTools, parse_messages, parse_tools
+from services.worker.fields import INT64_MAX, INT64_MIN, Fields, invalid
+from shared.engine.sampling_params import InvalidSamplingParams, SamplingParams
+
+MAX_CHOICES = 128  # n x number of prompts, per request
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+
+# A completion prompt: text to tokenize, or token ids given by the client.
+Prompt = str | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SamplingFields:
+    """The sampling knobs both endpoints share (vLLM's names and defaults)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def to_params(self, max_tokens: int, logprobs: int | None, renames: dict[str, str]) -> SamplingParams:
+        """SamplingParams for the engine; `renames` maps its field names to the request's."""
+        values = dataclasses.asdict(self)
+        try:
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **values)
+        except InvalidSamplingParams as exc:
+            param = renames.get(exc.param, exc.param)
+            raise BadRequestError(str(exc).replace(exc.param, param, 1), param=param) from None
+
+
+@dataclass(frozen=True)
+class CommonFields:
+    """Fields outside sampling shared by both endpoints."""
+
+    model: str | None
+    sampling: SamplingFields
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    common: CommonFields
+    prompts: tuple[Prompt, ...]
+    max_tokens: int
+    echo: bool
+    logprobs: int | None  # top-N per token, 0..5; None: no logprobs
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A chat request; `max_tokens` None means "up to the context length".
+
+    When both are sent, `max_completion_tokens` (the non-deprecated name) wins over
+    `max_tokens`; `max_tokens_param` is whichever was used, for error messages.
+    """
+
+    common: CommonFields
+    messages: tuple[dict[str, Any], ...]
+    tools: ChatTools
+    max_tokens: int | None
+    max_tokens_param: str
+    logprobs: bool
+    top_logprobs: int | None
+    add_generation_prompt: bool
+
+
+def parse_sampling(f: Fields) -> SamplingFields:
+    return SamplingFields(
+        n=f.integer("n", 1, lo=1, hi=MAX_CHOICES),
+        temperature=f.number("temperature", 1.0, lo=0.0),
+        top_p=f.number("top_p", 1.0),
+        top_k=f.integer("top_k", 0, lo=-1, hi=INT64_MAX),
+        min_p=f.number("min_p", 0.0),
+        seed=f.integer("seed", None, lo=INT64_MIN, hi=INT64_MAX),
+        presence_penalty=f.number("presence_penalty", 0.0),
+        frequency_penalty=f.number("frequency_penalty", 0.0),
+        repetition_penalty=f.number("repetition_penalty", 1.0),
+        min_tokens=f.integer("min_tokens", 0, lo=0, hi=INT64_MAX),
+        stop=f.str_or_str_list("stop"),
+        stop_token_ids=f.int_list("stop_token_ids", 0, INT64_MAX),
+        ignore_eos=f.boolean("ignore_eos", False),
+        skip_special_tokens=f.boolean("skip_special_tokens", True),
+        include_stop_str_in_output=f.boolean("include_stop_str_in_output", False),
+    )
+
+
+def parse_common(f: Fields) -> CommonFields:
+    model = f.string("model", None)
+    stream = f.boolean("stream", False)
+    options = f.obj("stream_options")
+    if options is not None and not stream:
+        raise invalid("stream_options", "only allowed when 'stream' is true")
+    include_usage = options.boolean("include_usage", False) if options else False
+    if options is not None:
+        options.boolean("continuous_usage_stats", False)  # accepted, not implemented
+    if f.has("logit_bias") and f.obj("logit_bias").data:
+        raise invalid("logit_bias", "logit_bias is not supported")
+    response_format = f.obj("response_format")
+    if response_format is not None:
+        kind = response_format.choice("type", "text", ("text", "json_object", "json_schema"))
+        if kind != "text":
+            raise invalid("response_format", f"response_format type {kind!r} is not supported")
+    return CommonFields(
+        model=model,
+        sampling=parse_sampling(f),
+        stream=stream,
+        include_usage=include_usage,
+        return_token_ids=f.boolean("return_token_ids", False),
+    )
+
+
+def parse_prompts(value: Any) -> tuple[Prompt, ...]:
+    """A string, an array of strings, an array of token ids, or an array of token-id arrays."""
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list) or not value:
+        raise invalid("prompt", "expected a string, an array of strings or of token ids (non-empty)")
+    if all(isinstance(p, str) for p in value):
+        return tuple(value)
+    if all(_is_token_list(p) for p in value):
+        return tuple(tuple(p) for p in value)
+    if _is_token_list(value):
+        return (tuple(value),)
+    raise invalid("prompt", "mixed or unsupported element types (and token-id arrays may not be empty)")
+
+
+def _is_token_list(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+
+def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
+    f = Fields(body)
+    if "prompt" not in body or body["prompt"] is None:
+        raise BadRequestError("Missing required field 'prompt'", param="prompt")
+    prompts = parse_prompts(body["prompt"])
+    common = parse_common(f)
+    if len(prompts) * common.sampling.n > MAX_CHOICES:
+        raise invalid("n", f"n times the number of prompts must be <= {MAX_CHOICES}")
+    if f.has("suffix"):
+        raise invalid("suffix", "suffix is not supported")
+    echo = f.boolean("echo", False)
+    logprobs = f.integer("logprobs", None, lo=0, hi=MAX_COMPLETION_LOGPROBS)
+    if echo and logprobs is not None:
+        raise invalid("echo", "echo together with logprobs (prompt logprobs) is not supported")
+    return CompletionRequest(
+        common=common,
+        prompts=prompts,
+        max_tokens=f.integer("max_tokens", 16, lo=1, hi=INT64_MAX),
+        echo=echo,
+        logprobs=logprobs,
+    )
+
+
+def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
+    f = Fields(body)
+    messages = parse_messages(body.get("messages"))
+    tools = parse_tools(f)
+    common = parse_common(f)
+    legacy_max = f.integer("max_tokens", None, lo=1, hi=INT64_MAX)  # type-checked even if unused
+    max_tokens_param = "max_completion_tokens" if f.has("max_completion_tokens") else "max_tokens"
+    max_tokens = f.integer("max_completion_tokens", legacy_max, lo=1, hi=INT64_MAX)
+    logprobs = f.boolean("logprobs", False)
+    top_logprobs = f.integer("top_logprobs", None, lo=0, hi=MAX_CHAT_TOP_LOGPROBS)
+    if top_logprobs is not None and not logprobs:
+        raise invalid("top_logprobs", "requires 'logprobs' to be true")
+    return ChatRequest(
+        common=common,
+        messages=messages,
+        tools=tools,
+        max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        add_generation_prompt=f.boolean("add_generation_prompt", True),
+    )

@@ -1,0 +1,134 @@
+"""Response bodies and stream chunks of /v1/completions and /v1/chat/completions.
+
+Non-streaming bodies are built from the final `ChoiceState`s. Streaming follows OpenAI and
+vLLM: per choice, a first chunk (chat: `delta: {"role": "assistant", "content": ""}`;
+completions with echo: the prompt text), content chunks, then a chunk with an empty delta and
+the `finish_reason`; every chunk carries `"usage": null`, and with `include_usage` one last
+chunk has `"choices": []` and the totals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.worker.generation import ChoiceState, EndpointKind, PreparedPrompt
+from services.worker.logprobs import LogprobFormatter
+from shared.engine.outputs import RequestOutput
+
+_OBJECTS = {
+    EndpointKind.COMPLETION: ("text_completion", "text_completion"),
+    EndpointKind.CHAT: ("chat.completion", "chat.completion.chunk"),
+}
+
+
+@dataclass(frozen=True)
+class ResponseSpec:
+    """What shapes one response: endpoint, ids, and the options that change the body."""
+
+    kind: EndpointKind
+    response_id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    prompts: list[PreparedPrompt]
+    logprobs: int | None = None  # top-N to report; None: no logprobs
+    echo: bool = False
+    return_token_ids: bool = False
+    include_usage: bool = False
+
+
+class ResponseBuilder:
+    """Builds the JSON-ready dicts of one response (full body or stream chunks)."""
+
+    def __init__(self, spec: ResponseSpec, formatter: LogprobFormatter) -> None:
+        self.spec = spec
+        self.fmt = formatter
+        self._full_object, self._chunk_object = _OBJECTS[spec.kind]
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
+        return {"id": self.spec.response_id, "object": obj, "created": self.spec.created,
+                "model": self.spec.model, "system_fingerprint": self.spec.system_fingerprint,
+                "choices": choices, "usage": usage}
+
+    def usage(self, states: list[ChoiceState]) -> dict[str, int]:
+        prompt = sum(len(p.token_ids) for p in self.spec.prompts)
+        completion = sum(len(s.token_ids) for s in states)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def _logprobs(self, state: ChoiceState, entries: list[Any]) -> dict[str, Any] | None:
+        top_n = self.spec.logprobs
+        if top_n is None:
+            return None
+        if self.spec.kind is EndpointKind.CHAT:
+            return self.fmt.chat(entries, top_n)
+        body, state.text_offset = self.fmt.completion(entries, top_n, state.text_offset)
+        return body
+
+    def _add_token_ids(self, choice: dict[str, Any], state: ChoiceState, token_ids: list[int],
+                       with_prompt: bool) -> None:
+        if self.spec.return_token_ids:
+            if with_prompt:
+                choice["prompt_token_ids"] = self.spec.prompts[state.job.prompt_index].token_ids
+            choice["token_ids"] = token_ids
+
+    def full_body(self, states: list[ChoiceState]) -> dict[str, Any]:
+        choices = []
+        for state in sorted(states, key=lambda s: s.job.index):
+            prompt = self.spec.prompts[state.job.prompt_index]
+            if self.spec.echo:
+                state.text_offset = len(prompt.text)
+            logprobs = self._logprobs(state, state.logprobs)
+            choice: dict[str, Any] = {"index": state.job.index}
+            if self.spec.kind is EndpointKind.CHAT:
+                choice["message"] = {"role": "assistant", "content": state.text}
+            else:
+                choice["text"] = (prompt.text if self.spec.echo else "") + state.text
+            choice.update(logprobs=logprobs, finish_reason=state.finish_reason,
+                          stop_reason=state.stop_reason)
+            self._add_token_ids(choice, state, state.token_ids, with_prompt=True)
+            choices.append(choice)
+        return self._envelope(self._full_object, choices, self.usage(states))
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        return self._envelope(self._chunk_object, [choice], None)
+
+    def _delta_choice(self, state: ChoiceState, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": state.job.index}
+        if self.spec.kind is EndpointKind.CHAT:
+            choice["delta"] = {"content": text} if text or finish is None else {}
+        else:
+            choice["text"] = text
+        choice.update(logprobs=logprobs, finish_reason=finish)
+        if finish is not None:
+            choice["stop_reason"] = state.stop_reason
+        return choice
+
+    def chunks_for(self, state: ChoiceState, out: RequestOutput) -> list[dict[str, Any]]:
+        """The chunks one engine output turns into (none when it carries nothing to show)."""
+        chunks = []
+        text, first = out.new_text, not state.started
+        if first:
+            state.started = True
+            if self.spec.kind is EndpointKind.CHAT:
+                role = {"index": state.job.index, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}
+                self._add_token_ids(role, state, [], with_prompt=True)
+                chunks.append(self._chunk(role))
+                first = False
+            elif self.spec.echo:
+                text = self.spec.prompts[state.job.prompt_index].text + text
+                state.text_offset = len(text) - len(out.new_text)
+        wants_tokens = self.spec.logprobs is not None or self.spec.return_token_ids
+        if text or (out.new_token_ids and wants_tokens) or (first and self.spec.return_token_ids):
+            logprobs = self._logprobs(state, out.new_logprobs or [])
+            choice = self._delta_choice(state, text, logprobs, None)
+            self._add_token_ids(choice, state, out.new_token_ids, with_prompt=first)
+            chunks.append(self._chunk(choice))
+        if out.finished:
+            chunks.append(self._chunk(self._delta_choice(state, "", None, state.finish_reason)))
+        return chunks
+
+    def usage_chunk(self, states: list[ChoiceState]) -> dict[str, Any]:
+        return self._envelope(self._chunk_object, [], self.usage(states))

@@ -1,0 +1,119 @@
+"""The worker's route table and its thin handlers (parse -> service -> JSON).
+
+Readiness (503), auth (401), body limits (413) and error envelopes are middlewares; the
+handlers below can assume a loaded engine on every path the readiness gate guards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+from prometheus_client.aiohttp import make_aiohttp_handler
+
+from services.common.errors import BadRequestError
+from services.common.json_body import json_response, read_json_object
+from services.common.lifecycle import LIFECYCLE_KEY
+from services.worker.chat_messages import parse_messages
+from services.worker.fields import Fields, invalid
+from services.worker.metadata import build_metadata
+from services.worker.openai_protocol import parse_chat_request, parse_completion_request
+from services.worker.runtime import WorkerRuntime
+from services.worker.serving import GenerationService
+
+RUNTIME_KEY = web.AppKey("worker_runtime", WorkerRuntime)
+STARTED_AT_KEY = web.AppKey("started_at", int)
+
+
+def _service(request: web.Request) -> GenerationService:
+    service = request.app[RUNTIME_KEY].service
+    assert service is not None, "the readiness gate only lets requests through once loaded"
+    return service
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    req = parse_completion_request(await read_json_object(request))
+    return await _service(request).completion(request, req)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    req = parse_chat_request(await read_json_object(request))
+    return await _service(request).chat(request, req)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    service = _service(request)
+    config = service.config
+    created = request.app[STARTED_AT_KEY]
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "pdmesh",
+             "root": config.engine.model, "parent": None,
+             "max_model_len": service.engine.max_model_len, "permission": []}
+            for name in config.model_names]
+    return json_response({"object": "list", "data": data})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: {model, prompt | messages, add_special_tokens} -> {count, max_model_len, tokens}."""
+    body = await read_json_object(request)
+    service = _service(request)
+    f = Fields(body)
+    service.resolve_model(f.string("model", None))
+    builder = service.prompts
+    if body.get("messages") is not None:
+        messages = list(parse_messages(body["messages"]))
+        text = builder.render_chat(messages, f.boolean("add_generation_prompt", True), None)
+        add_special = f.boolean("add_special_tokens", False)
+    else:
+        text = f.string("prompt", None)
+        if text is None:
+            raise BadRequestError("Either 'prompt' or 'messages' is required", param="prompt")
+        add_special = f.boolean("add_special_tokens", True)
+    tokens = builder.encode(text, add_special, "messages" if "messages" in body else "prompt")
+    result: dict[str, Any] = {"count": len(tokens), "max_model_len": builder.max_model_len,
+                              "tokens": tokens}
+    if f.boolean("return_token_strs", False):
+        result["token_strs"] = [service.formatter.token_text(t) for t in tokens]
+    return json_response(result)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    body = await read_json_object(request)
+    service = _service(request)
+    f = Fields(body)
+    service.resolve_model(f.string("model", None))
+    tokens = f.array("tokens")
+    if tokens is None:
+        raise invalid("tokens", "missing required field")
+    service.prompts.check_token_ids(f.int_list("tokens", 0, 2**63 - 1), "tokens")
+    return json_response({"prompt": service.prompts.tokenizer.decode(tokens, skip_special_tokens=False)})
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 once the model is loaded and warm and the engine is healthy; 503 otherwise."""
+    lifecycle = request.app[LIFECYCLE_KEY]
+    engine = request.app[RUNTIME_KEY].engine
+    if not lifecycle.ready:
+        raise lifecycle.unavailable()
+    if engine is None or not engine.healthy:
+        lifecycle.mark_failed("engine unhealthy")
+        raise lifecycle.unavailable()
+    return json_response({"status": "ok"})
+
+
+async def metadata(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME_KEY]
+    service = _service(request)
+    return json_response(build_metadata(runtime.config, service.engine, runtime.admission.active))
+
+
+def routes(runtime: WorkerRuntime) -> list[web.AbstractRouteDef]:
+    return [
+        web.post("/v1/completions", completions),
+        web.post("/v1/chat/completions", chat_completions),
+        web.get("/v1/models", list_models),
+        web.get("/v1/metadata", metadata),
+        web.post("/tokenize", tokenize),
+        web.post("/detokenize", detokenize),
+        web.get("/health", health),
+        web.get("/metrics", make_aiohttp_handler(runtime.metrics.registry)),
+    ]

@@ -1,0 +1,52 @@
+"""The resources one worker app owns: the engine (loaded in the background), metrics, admission.
+
+The app starts listening before the model is loaded so `/health` can answer 503 while it
+loads; `load` runs as a background task owned by the app's `cleanup_ctx`, and flips the
+lifecycle to READY once the engine has loaded and warmed up (`AsyncEngine.start` does both,
+off the event loop).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from services.common.lifecycle import Lifecycle
+from services.worker.admission import AdmissionControl
+from services.worker.config import WorkerConfig
+from services.worker.engine_client import EngineClient, EngineFactory
+from services.worker.metrics import WorkerMetrics
+from services.worker.serving import GenerationService
+
+log = logging.getLogger(__name__)
+
+
+class WorkerRuntime:
+    """Engine, generation service, metrics and admission of one worker app.
+
+    `engine` and `service` are None until loading finished; the readiness middleware keeps
+    requests that need them away until then.
+    """
+
+    def __init__(self, config: WorkerConfig, engine_factory: EngineFactory) -> None:
+        self.config = config
+        self._factory = engine_factory
+        self._owned: EngineClient | None = None  # set as soon as built, for shutdown
+        self.engine: EngineClient | None = None
+        self.service: GenerationService | None = None
+        self.metrics = WorkerMetrics(config.served_model_name, lambda: self.engine)
+        self.admission = AdmissionControl(config.admission_capacity)
+
+    async def load(self, lifecycle: Lifecycle) -> None:
+        log.info("loading model %s", self.config.engine.model)
+        engine = self._factory(self.config.engine)  # cheap: start() does the loading
+        self._owned = engine
+        await engine.start()  # loads off the event loop and runs the engine's warm-up step
+        self.engine = engine
+        self.service = GenerationService(engine, self.config, self.metrics, self.admission)
+        lifecycle.mark_ready()
+        log.info("model %s ready (max_model_len %d)", self.config.engine.model, engine.max_model_len)
+
+    async def close(self) -> None:
+        engine, self._owned, self.engine, self.service = self._owned, None, None, None
+        if engine is not None:
+            await engine.shutdown()

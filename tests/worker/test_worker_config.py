@@ -1,0 +1,74 @@
+"""WorkerConfig from flags and environment, sizes, and the shared auth/lifecycle pieces."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.common.middleware import ApiKeyAuth, api_prefix_predicate
+from services.common.units import parse_size
+from services.worker.config import WorkerConfig, WorkerRole, add_arguments
+
+
+def parse(argv: list[str], environ: dict[str, str] | None = None) -> WorkerConfig:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return WorkerConfig.from_args(parser.parse_args(argv), environ or {})
+
+
+def test_flags_reach_engine_config() -> None:
+    c = parse(["--model", "m", "--dtype", "bfloat16", "--max-model-len", "1024", "--block-size", "32",
+               "--kv-cache-memory", "64MiB", "--max-num-seqs", "4", "--max-num-batched-tokens", "512",
+               "--no-prefix-caching", "--no-chunked-prefill", "--threads", "2", "--port", "9000",
+               "--max-body-size", "1MiB", "--max-queue", "3", "--drain-grace-seconds", "2.5",
+               "--served-model-name", "a", "b"])
+    e = c.engine
+    assert (e.model, e.dtype, e.max_model_len, e.block_size) == ("m", "bfloat16", 1024, 32)
+    assert e.kv_cache_memory_bytes == 64 * 2**20
+    assert (e.max_num_seqs, e.max_num_batched_tokens, e.num_threads) == (4, 512, 2)
+    assert not e.enable_prefix_caching and not e.enable_chunked_prefill
+    assert (c.port, c.max_body_size, c.max_queue, c.drain_grace_seconds) == (9000, 2**20, 3, 2.5)
+    assert c.model_names == ("a", "b") and c.served_model_name == "a"
+    assert c.admission_capacity == 7
+    assert c.role is WorkerRole.MIXED
+
+
+def test_defaults() -> None:
+    c = parse([])
+    assert c.max_body_size == 4 * 2**20
+    assert c.served_model_name == c.engine.model
+    assert c.api_keys == ()
+
+
+def test_api_keys_flags_win_over_env() -> None:
+    assert parse([], {"PDMESH_API_KEY": "x, y,"}).api_keys == ("x", "y")
+    assert parse(["--api-key", "a", "--api-key", "b"], {"PDMESH_API_KEY": "x"}).api_keys == ("a", "b")
+
+
+def test_roles_are_an_enum_and_only_mixed_runs() -> None:
+    assert {r.value for r in WorkerRole} == {"mixed", "prefill", "decode"}
+    with pytest.raises(ValueError, match="not supported"):
+        parse(["--role", "decode"])
+
+
+@pytest.mark.parametrize("text,value", [("4096", 4096), ("256MiB", 256 * 2**20), ("4MB", 4 * 10**6),
+                                        ("1.5GiB", int(1.5 * 2**30)), ("2k", 2048), ("10 B", 10)])
+def test_parse_size(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "-1", "4 parsecs", "1e3"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_api_key_auth_checks_every_key_and_scheme() -> None:
+    auth = ApiKeyAuth(["k1", "k2"], api_prefix_predicate(["/v1", "/tokenize"]))
+    assert auth.check("Bearer k1") and auth.check("bearer k2")
+    assert not auth.check("Bearer k3") and not auth.check("Token k1") and not auth.check(None)
+    assert not auth.check("Bearer ") and not auth.check("Bearerk1")
+    guarded = api_prefix_predicate(["/v1", "/tokenize"])
+    assert guarded("/v1/models") and guarded("/v1") and guarded("/tokenize")
+    assert not guarded("/v10") and not guarded("/health") and not guarded("/metrics")

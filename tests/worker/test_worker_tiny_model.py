@@ -1,0 +1,162 @@
+"""End to end with the real engine on a tiny random model (fp32): the HTTP path must give the
+offline `LLM.generate` tokens, free KV blocks on disconnect, and speak vllm-bench's dialect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from worker_harness import ThreadedServer
+from worker_strategies import bodies
+
+from services.worker.app import create_app
+from services.worker.config import WorkerConfig
+from shared.config import EngineConfig
+from shared.engine import LLM
+from shared.engine.sampling_params import SamplingParams
+
+MAX_LEN = 512
+KV_BYTES = 16 * 1024 * 1024
+PROMPTS = [f"Request {i}: " + f"tell me about the number {i}. " * (1 + i % 5) for i in range(32)]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir: Path) -> Iterator[ThreadedServer]:
+    engine = EngineConfig(model=str(tiny_dir), dtype="float32", max_model_len=MAX_LEN,
+                          kv_cache_memory_bytes=KV_BYTES, max_num_seqs=64)
+    srv = ThreadedServer(create_app(WorkerConfig(engine=engine, served_model_names=("tiny",)))).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_dir: Path) -> LLM:
+    return LLM(model=str(tiny_dir), dtype="float32", max_model_len=MAX_LEN, kv_cache_memory_bytes=KV_BYTES)
+
+
+async def stream_token_ids(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> list[int]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "return_token_ids": True}
+    ids: list[int] = []
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    ids.extend(choice.get("token_ids", []))
+    return ids
+
+
+async def test_32_concurrent_streams_match_offline(server: ThreadedServer, offline: LLM) -> None:
+    lengths = [8 + i % 9 for i in range(len(PROMPTS))]
+    async with aiohttp.ClientSession() as session:
+        got = await asyncio.gather(*(stream_token_ids(session, server.base_url, p, n)
+                                     for p, n in zip(PROMPTS, lengths, strict=True)))
+    want = offline.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=n) for n in lengths])
+    for i, (ids, ref) in enumerate(zip(got, want, strict=True)):
+        assert ids == ref.outputs[0].token_ids, f"prompt {i} differs"
+
+
+async def metadata(session: aiohttp.ClientSession, url: str) -> dict:
+    async with session.get(f"{url}/v1/metadata") as resp:
+        return await resp.json()
+
+
+async def abort_count(session: aiohttp.ClientSession, url: str) -> float:
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    for line in text.splitlines():
+        if line.startswith("pdmesh:request_success_total{") and 'finished_reason="abort"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_disconnect_mid_stream_frees_blocks(server: ThreadedServer) -> None:
+    url = server.base_url
+    async with aiohttp.ClientSession() as probe:
+        aborts_before = await abort_count(probe, url)
+        body = {"model": "tiny", "prompt": "x " * 200, "max_tokens": MAX_LEN - 300, "ignore_eos": True,
+                "stream": True}
+        session = aiohttp.ClientSession()
+        resp = await session.post(f"{url}/v1/completions", json=body)
+        for _ in range(5):
+            await resp.content.readline()
+        busy = await metadata(probe, url)
+        assert busy["kv_cache"]["num_used_blocks"] > 0 and busy["load"]["num_running"] == 1
+        resp.close()  # drop the connection mid-stream
+        await session.close()
+        deadline = time.monotonic() + 10
+        while True:
+            meta = await metadata(probe, url)
+            if meta["kv_cache"]["num_used_blocks"] == 0 and meta["load"]["num_running"] == 0:
+                break
+            assert time.monotonic() < deadline, f"blocks not freed: {meta}"
+            await asyncio.sleep(0.05)
+        assert meta["load"]["admitted_sequences"] == 0
+        assert await abort_count(probe, url) == aborts_before + 1
+
+
+async def test_vllm_bench_dialect(server: ThreadedServer, tiny_dir: Path) -> None:
+    """What `vllm bench serve` sends: /tokenize, /metrics, then streamed completions with
+    ignore_eos, repetition_penalty=1.0 and include_usage."""
+    from shared.model.tokenizer import Tokenizer
+
+    url = server.base_url
+    prompt = "The quick brown fox jumps over the lazy dog"
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/tokenize",
+                                json={"model": "tiny", "prompt": prompt, "add_special_tokens": False}) as r:
+            tok = await r.json()
+        assert tok["tokens"] == Tokenizer(tiny_dir).encode(prompt, add_special_tokens=False)
+        assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == MAX_LEN
+        async with session.get(f"{url}/metrics") as r:
+            assert r.status == 200 and "pdmesh:num_requests_running" in await r.text()
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "ignore_eos": True,
+                "repetition_penalty": 1.0, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            events = [line[6:].strip() async for line in r.content if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    usage = json.loads(events[-2])
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 40
+    assert usage["usage"]["prompt_tokens"] == tok["count"]
+
+
+def test_openai_chat_matches_offline_chat(server: ThreadedServer, offline: LLM) -> None:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"}]
+    ref = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    assert chat.choices[0].message.content == ref.text
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == ref.text
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=bodies, chat=st.booleans())
+def test_fuzz_real_model_never_5xx(server: ThreadedServer, body: dict, chat: bool) -> None:
+    """Arbitrary fields against the real tokenizer, template and engine (short generations)."""
+    import urllib.error
+    import urllib.request
+
+    base = ({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "hi"})
+    payload = {**base, **body, "max_tokens": 2, "max_completion_tokens": 2, "n": 1}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    req = urllib.request.Request(server.base_url + path, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            status, text = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, text = exc.code, exc.read().decode()
+    assert status < 500, text
