@@ -1,0 +1,178 @@
+"""`pdmesh up`: a whole mesh on loopback in one command (router + prefill + decode workers)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import socket
+import sys
+
+HELP = "Start a router and N prefill + N decode workers on loopback; Ctrl-C stops them all."
+
+DEFAULT_MODEL = "smollm2-135m-instruct"  # shared.config.DEFAULT_MODEL, without importing it
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
+    parser.add_argument("--decode", type=int, default=1, metavar="N", help="decode workers")
+    parser.add_argument("--transfer-mode", choices=["pull", "push"], default="pull")
+    parser.add_argument("--port", type=int, default=8000, help="router port")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per worker (default: cores / workers)")
+    parser.add_argument("--ready-timeout", type=float, default=900.0,
+                        help="seconds to wait for the mesh to become healthy")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds children get to stop before SIGKILL")
+    parser.add_argument("--serve-cmd", default=None,
+                        help="command that starts a worker (default: this Python's "
+                             "`-m services.cli serve`); the worker flags are appended")
+    parser.add_argument("--worker-log-level", default="WARNING",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="workers' log level (their access logs are at INFO)")
+    parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                        help="extra argument for the router (repeatable)")
+
+
+def _free_port(host: str, start: int, taken: set[int]) -> int:
+    """The first port >= start that is bindable now and not already handed out."""
+    for port in range(start, start + 1000):
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        taken.add(port)
+        return port
+    raise RuntimeError(f"no free port from {start}")
+
+
+def worker_flags(role: str, args: argparse.Namespace, port: int, kv_port: int,
+                 threads: int) -> list[str]:
+    flags = ["--model", args.model, "--role", role, "--host", args.host, "--port", str(port),
+             "--threads", str(threads), "--log-level", args.worker_log_level]
+    if role != "mixed":
+        flags += ["--transfer-mode", args.transfer_mode, "--kv-port", str(kv_port)]
+    return flags
+
+
+def preflight(flags: list[str]) -> str | None:
+    """Why this build's `pdmesh serve` would refuse these flags, or None (checked in-process,
+    before anything starts: the worker's own parser and config)."""
+    import contextlib
+    import io
+    import os
+
+    from services.commands import serve
+    from services.worker.config import WorkerConfig
+
+    parser = argparse.ArgumentParser(add_help=False)
+    serve.add_arguments(parser)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            known, unknown = parser.parse_known_args(flags)
+        if unknown:
+            return f"unknown flags {' '.join(unknown)}"
+        WorkerConfig.from_args(known, os.environ)
+    except (SystemExit, ValueError) as exc:
+        return str(exc) or "flags refused"
+    return None
+
+
+def plan(args: argparse.Namespace, cpu_count: int) -> tuple[list, str]:
+    """The child specs (router first) and the router URL. Without --serve-cmd the P/D worker
+    flags are checked first; a build whose workers cannot take them yet gets mixed workers."""
+    from services.router.supervisor import ChildSpec
+
+    if args.prefill < 1 or args.decode < 1:
+        raise ValueError("--prefill and --decode must be >= 1")
+    serve = shlex.split(args.serve_cmd) if args.serve_cmd else [
+        sys.executable, "-m", "services.cli", "serve"]
+    roles = [("prefill", args.prefill), ("decode", args.decode)]
+    threads = args.threads or max(1, cpu_count // (args.prefill + args.decode))
+    if not args.serve_cmd:
+        refused = preflight(worker_flags("prefill", args, args.port + 1, args.port + 101, 1))
+        if refused is not None:
+            print(f"[up] this build's `pdmesh serve` cannot run a prefill worker ({refused}); "
+                  f"starting {args.prefill + args.decode} mixed worker(s) instead", flush=True)
+            roles = [("mixed", args.prefill + args.decode)]
+    taken = {args.port}
+    workers, router = [], [sys.executable, "-m", "services.cli", "router", "--host", args.host,
+                           "--port", str(args.port)]
+    for role, count in roles:
+        for i in range(count):
+            port = _free_port(args.host, args.port + 1, taken)
+            kv_port = _free_port(args.host, args.port + 101, taken)
+            argv = [*serve, *worker_flags(role, args, port, kv_port, threads)]
+            workers.append(ChildSpec(f"{role}-{i}", tuple(argv)))
+            router += ["--worker" if role == "mixed" else f"--{role}", f"http://{args.host}:{port}"]
+    router += args.router_arg
+    return [ChildSpec("router", tuple(router)), *workers], f"http://{args.host}:{args.port}"
+
+
+def banner(url: str, model: str) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
+    sdk = ("from openai import OpenAI\n"
+           f"client = OpenAI(base_url='{url}/v1', api_key='unused')\n"
+           f"reply = client.chat.completions.create(model='{model}', "
+           "messages=[{'role': 'user', 'content': 'Hello!'}])\n"
+           "print(reply.choices[0].message.content)")
+    return "\n".join([
+        f"[up] mesh ready: {url}  (metadata: {url}/v1/router/metadata)",
+        "[up] try it:",
+        f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+        "[up] or with the openai SDK:",
+        *("  " + line for line in sdk.splitlines()),
+        "[up] Ctrl-C stops everything.",
+    ])
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+
+    try:
+        specs, url = plan(args, os.cpu_count() or 1)
+    except (ValueError, RuntimeError) as exc:
+        print(f"pdmesh up: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_up(specs, url, args))
+
+
+async def _up(specs: list, url: str, args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from services.router.supervisor import Supervisor
+
+    sup = Supervisor(specs, grace_s=args.grace)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await sup.start()
+    try:
+        ready = asyncio.ensure_future(sup.wait_healthy(url + "/health", args.ready_timeout))
+        await asyncio.wait({ready, asyncio.ensure_future(stop.wait())},
+                           return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            ready.cancel()
+            return 0
+        if not ready.result():
+            failed = sup.exited()
+            sup.say(f"[up] {failed.spec.name} exited with {failed.proc.returncode}" if failed
+                    else f"[up] {url}/health not ready after {args.ready_timeout:.0f}s")
+            return 1
+        sup.say(banner(url, args.model))
+        failed = await sup.watch(stop)
+        if failed is not None:
+            sup.say(f"[up] {failed.spec.name} exited with {failed.proc.returncode}; stopping")
+            return 1
+        return 0
+    finally:
+        sup.say("[up] stopping")
+        await sup.stop()

@@ -1,0 +1,1 @@
+"""The pdmesh router: OpenAI front door, worker registry, P/D pairing, policies, reliability."""

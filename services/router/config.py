@@ -1,0 +1,189 @@
+"""Router configuration: one frozen `RouterConfig`, built once from CLI flags and the environment.
+
+`add_arguments` declares every flag; `RouterConfig.from_args` folds in the few environment
+variables (secrets stay out of process listings) and validates. Nothing below this module reads
+the environment: the config is passed down.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Policy(StrEnum):
+    """How one leg picks a worker among the candidates of a compatibility group."""
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    POWER_OF_TWO = "power_of_two"
+    PREFIX_AWARE = "prefix_aware"
+
+
+class TokenizerSource(StrEnum):
+    """Where the router gets prompt token ids (prefix-aware routing, conditional disaggregation)."""
+
+    AUTO = "auto"  # the local tokenizer if it loads, else a worker's /tokenize
+    WORKER = "worker"
+    LOCAL = "local"
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    """Per-worker circuit breaker: open after `failures` in `window_s`, probe after `cooldown_s`."""
+
+    failures: int = 5
+    window_s: float = 60.0
+    cooldown_s: float = 30.0
+    successes: int = 2
+
+    def __post_init__(self) -> None:
+        if self.failures < 1 or self.successes < 1:
+            raise ValueError("breaker failures and successes must be >= 1")
+        if self.window_s <= 0 or self.cooldown_s < 0:
+            raise ValueError("breaker window must be > 0 and cool-down >= 0")
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    """Retries before the first byte reaches the client: attempts, backoff with jitter, budget."""
+
+    max_attempts: int = 3
+    initial_backoff_s: float = 0.05
+    multiplier: float = 2.0
+    max_backoff_s: float = 2.0
+    jitter: float = 0.1  # fraction of the delay, drawn uniformly in [-j, +j]
+    budget_s: float = 30.0  # wall time allowed for all attempts of one request
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        if not 0 <= self.jitter < 1:
+            raise ValueError("jitter must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """At most `max_inflight` requests dispatched; `max_queue` wait FIFO for `timeout_s`."""
+
+    max_inflight: int = 256
+    max_queue: int = 1024
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_inflight < 1 or self.max_queue < 0 or self.timeout_s <= 0:
+            raise ValueError("admission needs max_inflight >= 1, max_queue >= 0, timeout > 0")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything the router app needs; built once in `from_args` (or directly in tests)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    mixed_urls: tuple[str, ...] = ()
+    model: str | None = None  # None: the model the first healthy worker reports
+    api_keys: tuple[str, ...] = ()
+    admin_token: str | None = None
+    worker_api_key: str | None = None
+    prefill_policy: Policy = Policy.PREFIX_AWARE
+    decode_policy: Policy = Policy.LEAST_LOADED
+    disagg_min_tokens: int = 0
+    tokenizer: TokenizerSource = TokenizerSource.AUTO
+    prefix_block_size: int = 16  # used until a group reports its own block size
+    overload_abs: int = 8  # prefix-aware falls back to load past min_load + abs ...
+    overload_rel: float = 1.5  # ... and past min_load * rel
+    early_first_token: bool = True
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    drain_grace_s: float = 10.0  # SIGTERM: in-flight requests get this long to finish
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+
+    def __post_init__(self) -> None:
+        for url in (*self.prefill_urls, *self.decode_urls, *self.mixed_urls):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL must start with http:// or https://, got {url!r}")
+        if self.disagg_min_tokens < 0 or self.prefix_block_size < 1:
+            raise ValueError("disagg_min_tokens must be >= 0 and prefix_block_size >= 1")
+        if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
+            raise ValueError("health interval and timeout must be > 0")
+
+    @staticmethod
+    def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> RouterConfig:
+        """Flags win; secrets may come from PDMESH_API_KEY / _ADMIN_TOKEN / _WORKER_API_KEY."""
+        api_keys = tuple(args.api_key or ()) or _env_list(environ, "PDMESH_API_KEY")
+        return RouterConfig(
+            host=args.host, port=args.port,
+            prefill_urls=tuple(_strip(args.prefill)), decode_urls=tuple(_strip(args.decode)),
+            mixed_urls=tuple(_strip(args.worker)), model=args.model, api_keys=api_keys,
+            admin_token=args.admin_token or environ.get("PDMESH_ADMIN_TOKEN") or None,
+            worker_api_key=args.worker_api_key or environ.get("PDMESH_WORKER_API_KEY") or None,
+            prefill_policy=Policy(args.prefill_policy), decode_policy=Policy(args.decode_policy),
+            disagg_min_tokens=args.disagg_min_tokens, tokenizer=TokenizerSource(args.tokenizer),
+            early_first_token=not args.no_early_first_token,
+            health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
+            request_timeout_s=args.request_timeout, drain_grace_s=args.drain_grace_seconds,
+            breaker=BreakerConfig(failures=args.breaker_failures, window_s=args.breaker_window,
+                                  cooldown_s=args.breaker_cooldown,
+                                  successes=args.breaker_successes),
+            retry=RetryConfig(max_attempts=args.max_attempts, budget_s=args.retry_budget),
+            admission=AdmissionConfig(max_inflight=args.max_inflight, max_queue=args.max_queue,
+                                      timeout_s=args.queue_timeout),
+        )
+
+
+def _strip(urls: list[str] | None) -> list[str]:
+    return [u.rstrip("/") for u in urls or ()]
+
+
+def _env_list(environ: Mapping[str, str], name: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in environ.get(name, "").split(",") if k.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `pdmesh router` flags (also used by `python -m services.router`)."""
+    d = RouterConfig()
+    parser.add_argument("--prefill", action="append", metavar="URL", help="prefill worker URL")
+    parser.add_argument("--decode", action="append", metavar="URL", help="decode worker URL")
+    parser.add_argument("--worker", action="append", metavar="URL", help="mixed worker URL")
+    parser.add_argument("--host", default=d.host)
+    parser.add_argument("--port", type=int, default=d.port)
+    parser.add_argument("--model", default=None, help="served model id (default: the workers')")
+    parser.add_argument("--api-key", action="append", help="guards client endpoints "
+                        "(or PDMESH_API_KEY, comma-separated)")
+    parser.add_argument("--admin-token", default=None,
+                        help="guards POST/DELETE /workers (or PDMESH_ADMIN_TOKEN)")
+    parser.add_argument("--worker-api-key", default=None,
+                        help="bearer key sent to workers (or PDMESH_WORKER_API_KEY)")
+    choices = [p.value for p in Policy]
+    parser.add_argument("--prefill-policy", choices=choices, default=d.prefill_policy.value)
+    parser.add_argument("--decode-policy", choices=choices, default=d.decode_policy.value)
+    parser.add_argument("--disagg-min-tokens", type=int, default=d.disagg_min_tokens,
+                        help="shorter prompts skip the prefill leg")
+    parser.add_argument("--tokenizer", choices=[t.value for t in TokenizerSource],
+                        default=d.tokenizer.value)
+    parser.add_argument("--no-early-first-token", action="store_true",
+                        help="do not stream the prefill's first token before decode starts")
+    parser.add_argument("--health-interval", type=float, default=d.health_interval_s)
+    parser.add_argument("--health-timeout", type=float, default=d.health_timeout_s)
+    parser.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
+                        help="seconds a worker may stay silent during a leg")
+    parser.add_argument("--drain-grace-seconds", type=float, default=d.drain_grace_s)
+    parser.add_argument("--breaker-failures", type=int, default=d.breaker.failures)
+    parser.add_argument("--breaker-window", type=float, default=d.breaker.window_s)
+    parser.add_argument("--breaker-cooldown", type=float, default=d.breaker.cooldown_s)
+    parser.add_argument("--breaker-successes", type=int, default=d.breaker.successes)
+    parser.add_argument("--max-attempts", type=int, default=d.retry.max_attempts)
+    parser.add_argument("--retry-budget", type=float, default=d.retry.budget_s)
+    parser.add_argument("--max-inflight", type=int, default=d.admission.max_inflight)
+    parser.add_argument("--max-queue", type=int, default=d.admission.max_queue)
+    parser.add_argument("--queue-timeout", type=float, default=d.admission.timeout_s)

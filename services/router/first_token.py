@@ -1,0 +1,154 @@
+"""The prefill's first token as stream chunks, and removing it again from the decode's stream.
+
+The decode leg returns the *whole* completion, starting with the token the prefill produced. When
+the router has already streamed that token, `FirstTokenSkipper` cuts it out of the decode's
+chunks, per choice index: its text (by characters), its logprobs entries and its token ids (by
+count), the repeated role delta and the repeated prompt ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class ApiKind(StrEnum):
+    """Which OpenAI endpoint a request came in on; decides the chunk shapes."""
+
+    COMPLETIONS = "completions"
+    CHAT = "chat"
+
+    @property
+    def chunk_object(self) -> str:
+        return "text_completion" if self is ApiKind.COMPLETIONS else "chat.completion.chunk"
+
+
+def _choice_text(kind: ApiKind, choice: dict[str, Any]) -> str:
+    if kind is ApiKind.COMPLETIONS:
+        return choice.get("text") or ""
+    return (choice.get("message") or {}).get("content") or ""
+
+
+def early_chunks(kind: ApiKind, prefill: dict[str, Any], include_usage: bool) -> list[dict]:
+    """Stream chunks carrying the prefill's first token (role chunk first for chat)."""
+    base = {"id": prefill.get("id"), "object": kind.chunk_object,
+            "created": prefill.get("created"), "model": prefill.get("model")}
+    if include_usage:
+        base["usage"] = None
+    chunks: list[dict] = []
+    for choice in prefill.get("choices") or []:
+        out: dict[str, Any] = {"index": choice.get("index", 0), "logprobs": choice.get("logprobs"),
+                               "finish_reason": None}
+        if "token_ids" in choice:
+            out["token_ids"] = choice["token_ids"]
+        if kind is ApiKind.CHAT:
+            role = {**base, "choices": [{"index": out["index"], "logprobs": None,
+                                         "finish_reason": None,
+                                         "delta": {"role": "assistant", "content": ""}}]}
+            chunks.append(role)
+            out["delta"] = {"content": _choice_text(kind, choice)}
+        else:
+            out["text"] = _choice_text(kind, choice)
+        chunks.append({**base, "choices": [out]})
+    if chunks and "prompt_token_ids" in prefill:
+        chunks[0]["prompt_token_ids"] = prefill["prompt_token_ids"]
+    return chunks
+
+
+@dataclass
+class _Skip:
+    chars: int  # characters of the first token's text still to cut
+    logprobs: int  # logprob entries still to cut
+    token_ids: int  # token ids still to cut
+    role: bool  # the decode's role delta (chat) is still to drop
+
+
+def _count_tokens(choice: dict[str, Any]) -> int:
+    ids = choice.get("token_ids")
+    return len(ids) if isinstance(ids, list) and ids else 1
+
+
+class FirstTokenSkipper:
+    """Per-choice cutting state; `apply(chunk)` returns the trimmed chunk or None to drop it."""
+
+    def __init__(self, kind: ApiKind, prefill: dict[str, Any]) -> None:
+        self.kind = kind
+        self._skip: dict[int, _Skip] = {}
+        for choice in prefill.get("choices") or []:
+            n = _count_tokens(choice)
+            self._skip[choice.get("index", 0)] = _Skip(
+                chars=len(_choice_text(kind, choice)),
+                logprobs=n if choice.get("logprobs") else 0,
+                token_ids=n if "token_ids" in choice else 0, role=kind is ApiKind.CHAT)
+        self._prompt_ids = "prompt_token_ids" in prefill
+
+    @property
+    def done(self) -> bool:
+        return not self._prompt_ids and not self._skip
+
+    def apply(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        if self._prompt_ids and chunk.pop("prompt_token_ids", None) is not None:
+            self._prompt_ids = False
+        choices = chunk.get("choices")
+        if not choices:
+            return chunk
+        kept = [c for c in choices if self._trim(c)]
+        if not kept and chunk.get("usage") is None and "prompt_token_ids" not in chunk:
+            return None
+        chunk["choices"] = kept
+        return chunk
+
+    def _trim(self, choice: dict[str, Any]) -> bool:
+        """Cut what is left of the first token from one choice; False if nothing remains."""
+        skip = self._skip.get(choice.get("index", 0))
+        if skip is None:
+            return True
+        holder, key = (choice, "text") if self.kind is ApiKind.COMPLETIONS else (
+            choice.setdefault("delta", {}), "content")
+        if self.kind is ApiKind.CHAT and skip.role:
+            holder.pop("role", None)
+            skip.role = False
+        text = holder.get(key)
+        if isinstance(text, str) and skip.chars:
+            cut = min(len(text), skip.chars)
+            holder[key] = text[cut:]
+            skip.chars -= cut
+        skip.logprobs -= _cut_logprobs(choice, skip.logprobs)
+        skip.token_ids -= _cut_list(choice, "token_ids", skip.token_ids)
+        if not (skip.chars or skip.logprobs or skip.token_ids or skip.role):
+            del self._skip[choice.get("index", 0)]
+        return _has_payload(self.kind, choice)
+
+
+def _cut_list(holder: dict[str, Any], key: str, n: int) -> int:
+    values = holder.get(key)
+    if not n or not isinstance(values, list):
+        return 0
+    cut = min(n, len(values))
+    holder[key] = values[cut:]
+    return cut
+
+
+def _cut_logprobs(choice: dict[str, Any], n: int) -> int:
+    lp = choice.get("logprobs")
+    if not n or not isinstance(lp, dict):
+        return 0
+    if "content" in lp:  # chat: a list of per-token entries
+        return _cut_list(lp, "content", n)
+    cut = 0  # completions: parallel lists
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        cut = max(cut, _cut_list(lp, key, n))
+    return cut
+
+
+def _has_payload(kind: ApiKind, choice: dict[str, Any]) -> bool:
+    if choice.get("finish_reason") is not None or choice.get("token_ids"):
+        return True
+    lp = choice.get("logprobs")
+    if isinstance(lp, dict) and any(v for v in lp.values()):
+        return True
+    if kind is ApiKind.COMPLETIONS:
+        return bool(choice.get("text"))
+    delta = choice.get("delta") or {}
+    return any(v not in (None, "", []) for v in delta.values())

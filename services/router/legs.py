@@ -1,0 +1,83 @@
+"""Request bodies for the two legs of a P/D request (pure functions over JSON dicts).
+
+Pull: the prefill leg computes the prompt and exactly one token (`max_tokens=1`, no stream);
+the decode leg gets the client's body unchanged plus the `kv_transfer_params` the prefill
+returned, verbatim. Push: the router mints a `transfer_id` and both legs go out together, each
+carrying the other side's coordinates from its metadata.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from typing import Any
+
+from services.router.workers import WorkerMetadata
+
+# Fields that would make the prefill leg stream or run past its single token.
+_PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
+def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg: one token, not streamed, with the given kv_transfer_params."""
+    out = copy.deepcopy(body)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    for key in _PREFILL_DROPPED:
+        out.pop(key, None)
+    out["kv_transfer_params"] = kv_params
+    return out
+
+
+def decode_body(body: dict[str, Any], kv_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The decode leg: the client's body plus the params (omitted when there are none)."""
+    out = dict(body)  # shallow: the legs never mutate nested values
+    if kv_params is not None:
+        out["kv_transfer_params"] = kv_params
+    return out
+
+
+def pull_prefill_params() -> dict[str, Any]:
+    return {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def new_transfer_id() -> str:
+    return uuid.uuid4().hex
+
+
+def push_params(transfer_id: str, prefill: WorkerMetadata) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(prefill params, decode params) for one push-mode dispatch.
+
+    The decode learns whom to register its pre-allocated blocks with (the prefill's engine and
+    KV endpoint, from its metadata); the prefill writes into whichever decode registers the
+    same `transfer_id`. Either may arrive first.
+    """
+    common = {"transfer_id": transfer_id, "transfer_mode": "push"}
+    to_prefill = {**common, "do_remote_decode": True, "do_remote_prefill": False}
+    to_decode = {**common, "do_remote_prefill": True, "do_remote_decode": False,
+                 "remote_engine_id": prefill.engine_id, "remote_host": prefill.kv_host,
+                 "remote_port": prefill.kv_port}
+    return to_prefill, to_decode
+
+
+def prompt_token_ids(body: dict[str, Any]) -> list[int] | None:
+    """Token ids when a completions prompt is given as ids (single prompt only), else None."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return prompt
+    if (isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list)
+            and all(isinstance(t, int) for t in prompt[0])):
+        return prompt[0]
+    return None
+
+
+def can_stream_first_token_early(body: dict[str, Any]) -> bool:
+    """Early first token is safe only if the decode's text is guaranteed to start with it.
+
+    Stop strings can swallow text the prefill already released (a stop sequence spanning the
+    first token), and `echo` puts the prompt before it; both fall back to a plain relay.
+    """
+    stop = body.get("stop")
+    return not stop and not body.get("echo")

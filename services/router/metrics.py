@@ -1,0 +1,65 @@
+"""The router's Prometheus metrics, in a per-app registry (several routers can share a process).
+
+Names carry the `pdmesh:` prefix; counters are exposed with `_total`. Worker and group gauges
+are refreshed after every health round (`observe_registry`); request metrics as requests go.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.router.registry import WorkerRegistry
+
+# vLLM's TTFT buckets (seconds), cut at 160 s.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+class RouterMetrics:
+    """All router metrics; one instance per app."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("pdmesh:router_requests", "Client requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.decisions = Counter("pdmesh:disagg_decision", "Disaggregation decisions",
+                                 ["decision"], registry=r)
+        self.retries = Counter("pdmesh:router_retries", "Re-dispatches after a failed leg",
+                               ["leg"], registry=r)
+        self.upstream_failures = Counter("pdmesh:router_upstream_failures",
+                                         "Failed worker calls", ["leg", "status"], registry=r)
+        self.disconnects = Counter("pdmesh:router_client_disconnects",
+                                   "Client disconnects that aborted both legs", registry=r)
+        self.ttft = Histogram("pdmesh:router_time_to_first_token_seconds",
+                              "Router arrival to first token", buckets=_TTFT_BUCKETS, registry=r)
+        self.e2e = Histogram("pdmesh:router_e2e_request_latency_seconds",
+                             "Router arrival to last byte", buckets=_E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("pdmesh:router_queue_time_seconds", "Admission wait",
+                                    buckets=_TTFT_BUCKETS, registry=r)
+        self.prefill_time = Histogram("pdmesh:router_prefill_leg_seconds", "Prefill leg",
+                                      buckets=_TTFT_BUCKETS, registry=r)
+        self.queue_depth = Gauge("pdmesh:router_queue_depth", "Requests waiting for a slot",
+                                 registry=r)
+        self.inflight = Gauge("pdmesh:router_inflight_requests", "Requests being dispatched",
+                              registry=r)
+        self.workers = Gauge("pdmesh:router_workers", "Registered workers",
+                             ["role", "health"], registry=r)
+        self.breaker = Gauge("pdmesh:router_worker_breaker_state",
+                             "Circuit breaker (0 closed, 1 half-open, 2 open)", ["worker"],
+                             registry=r)
+        self.groups = Gauge("pdmesh:router_groups", "Compatibility groups", ["servable"],
+                            registry=r)
+
+    def observe_registry(self, registry: WorkerRegistry) -> None:
+        self.workers.clear()
+        self.breaker.clear()
+        for w in registry.all():
+            role = w.role.value if w.role else "unknown"
+            self.workers.labels(role, w.health.value).inc()
+            self.breaker.labels(w.id).set(w.breaker.state.gauge)
+        groups = registry.groups()
+        servable = sum(g.servable for g in groups)
+        self.groups.labels("true").set(servable)
+        self.groups.labels("false").set(len(groups) - servable)

@@ -1,0 +1,185 @@
+"""What the router knows about one worker: its role, its last `/v1/metadata`, health and breaker.
+
+`WorkerMetadata.parse` is the single place that reads a worker's metadata document; it is
+lenient about nesting (`model` as a string or `{id, fingerprint}`, `kv` / `load` sub-objects or
+flat keys) so the router keeps working while the worker's document grows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from services.router.breaker import CircuitBreaker
+
+
+class Role(StrEnum):
+    """A worker's role in the mesh."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+
+class Health(StrEnum):
+    """Result of the latest health check; UNKNOWN until the first one answers."""
+
+    UNKNOWN = "unknown"
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+
+
+class MetadataError(ValueError):
+    """A worker's /v1/metadata document lacks a field the router cannot work without."""
+
+
+def _get(doc: Mapping[str, Any], *paths: str, default: Any = None) -> Any:
+    """First present value among dotted paths ("kv.usage", "kv_cache_usage"...)."""
+    for path in paths:
+        node: Any = doc
+        for part in path.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                node = None
+                break
+            node = node[part]
+        if node is not None:
+            return node
+    return default
+
+
+@dataclass(frozen=True)
+class WorkerMetadata:
+    """The fields of a worker's /v1/metadata the router routes and pairs on."""
+
+    role: Role
+    model: str
+    compat_hash: str
+    transfer_mode: str | None = None
+    engine_id: str | None = None
+    model_fingerprint: str | None = None
+    model_source: str | None = None  # what the worker loaded (a known name or a directory)
+    dtype: str | None = None
+    max_model_len: int | None = None
+    block_size: int | None = None
+    compat_factors: dict[str, Any] = field(default_factory=dict)
+    kv_host: str | None = None
+    kv_port: int | None = None
+    kv_capacity_blocks: int | None = None
+    kv_usage: float = 0.0  # fraction 0..1
+    running: int = 0
+    waiting: int = 0
+
+    @staticmethod
+    def parse(doc: Mapping[str, Any]) -> WorkerMetadata:
+        """Raises MetadataError for a document the router cannot use (never anything else)."""
+        if not isinstance(doc, Mapping):
+            raise MetadataError("metadata is not a JSON object")
+        try:
+            return WorkerMetadata._parse(doc)
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, MetadataError):
+                raise
+            raise MetadataError(f"malformed metadata: {exc}") from exc
+
+    @staticmethod
+    def _parse(doc: Mapping[str, Any]) -> WorkerMetadata:
+        role = _get(doc, "role")
+        model = _get(doc, "model.id", "model_id", "model")
+        if role not in {r.value for r in Role}:
+            raise MetadataError(f"metadata has no valid role (got {role!r})")
+        if not isinstance(model, str) or not model:
+            raise MetadataError("metadata has no model id")
+        fingerprint = _get(doc, "model.fingerprint", "model_fingerprint")
+        compat_hash = _get(doc, "compat_hash", "kv_transfer.compat_hash")
+        if not isinstance(compat_hash, str) or not compat_hash:
+            if role != Role.MIXED.value:
+                raise MetadataError(f"a {role} worker must report a compat_hash")
+            # A mixed worker never exchanges KV; group it by what it serves.
+            compat_hash = "mixed-" + hashlib.sha256(f"{model}|{fingerprint}".encode()).hexdigest()
+        capacity = _get(doc, "kv_cache.num_total_blocks", "kv.capacity_blocks")
+        used = _get(doc, "kv_cache.num_used_blocks", "kv.used_blocks")
+        usage = _get(doc, "kv_cache.usage", "kv.usage", "kv_cache_usage")
+        if usage is None and capacity and used is not None:
+            usage = used / capacity
+        port = _get(doc, "kv_endpoint.port", "kv_transfer.port", "kv_port")
+        return WorkerMetadata(
+            role=Role(role), model=model, compat_hash=compat_hash,
+            transfer_mode=_get(doc, "transfer_mode", "kv_transfer.mode",
+                               "compat_factors.transfer_mode"),
+            engine_id=_get(doc, "engine_id"), model_fingerprint=fingerprint,
+            model_source=_get(doc, "model.source"),
+            dtype=_get(doc, "dtype"), max_model_len=_get(doc, "max_model_len"),
+            block_size=_get(doc, "block_size"),
+            compat_factors=dict(_get(doc, "compat_factors", "kv_transfer.compat_factors",
+                                     default={})),
+            kv_host=_get(doc, "kv_endpoint.host", "kv_transfer.host", "kv_host"),
+            kv_port=int(port) if port is not None else None,
+            kv_capacity_blocks=capacity, kv_usage=float(usage or 0.0),
+            running=int(_get(doc, "load.num_running", "load.running", default=0)),
+            waiting=int(_get(doc, "load.num_waiting", "load.waiting", default=0)),
+        )
+
+
+@dataclass
+class Worker:
+    """One registered worker: configuration, the latest metadata and the live counters.
+
+    `declared_role` comes from the flag or the POST /workers body (None: trust the metadata);
+    `inflight` counts requests this router has on the worker right now, which moves between two
+    health checks while the worker's own load figures do not.
+    """
+
+    id: str
+    url: str
+    breaker: CircuitBreaker
+    declared_role: Role | None = None
+    metadata: WorkerMetadata | None = None
+    health: Health = Health.UNKNOWN
+    reason: str | None = None  # why it is unhealthy
+    last_seen: float | None = None  # wall clock of the last good metadata
+    inflight: int = 0
+
+    @property
+    def role(self) -> Role | None:
+        return self.metadata.role if self.metadata else self.declared_role
+
+    @property
+    def compat_hash(self) -> str | None:
+        return self.metadata.compat_hash if self.metadata else None
+
+    def usable(self) -> bool:
+        """Healthy and its breaker lets traffic through."""
+        return self.health is Health.HEALTHY and self.breaker.available()
+
+    def mark_healthy(self, metadata: WorkerMetadata) -> None:
+        self.metadata = metadata
+        self.health = Health.HEALTHY
+        self.reason = None
+        self.last_seen = time.time()
+
+    def mark_unhealthy(self, reason: str) -> None:
+        self.health = Health.UNHEALTHY
+        self.reason = reason
+
+    def describe(self) -> dict[str, Any]:
+        """The worker as GET /workers and /v1/router/metadata show it."""
+        md = self.metadata
+        return {
+            "id": self.id, "url": self.url, "role": self.role.value if self.role else None,
+            "model": md.model if md else None, "engine_id": md.engine_id if md else None,
+            "model_fingerprint": md.model_fingerprint if md else None,
+            "compat_hash": md.compat_hash if md else None,
+            "compat_factors": md.compat_factors if md else {},
+            "transfer_mode": md.transfer_mode if md else None,
+            "kv_endpoint": {"host": md.kv_host, "port": md.kv_port} if md else None,
+            "health": self.health.value, "reason": self.reason,
+            "circuit_breaker": self.breaker.state.value,
+            "load": {"running": md.running if md else 0, "waiting": md.waiting if md else 0,
+                     "kv_usage": md.kv_usage if md else 0.0, "router_inflight": self.inflight},
+            "last_seen": self.last_seen,
+        }
+

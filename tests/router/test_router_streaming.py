@@ -1,0 +1,90 @@
+"""Streaming through the router with the openai SDK, against fake P/D workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import openai
+from pd_fakes import FakeWorker, Rendezvous, expected_text, token_texts
+
+
+def _sdk(mesh) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0)
+
+
+async def _chat_text(mesh, messages, **kw) -> tuple[str, list]:
+    async with _sdk(mesh) as client:
+        stream = await client.chat.completions.create(model="fake-model", messages=messages,
+                                                      stream=True, **kw)
+        chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+async def test_chat_stream_equals_mixed_worker_and_ends_with_usage(make_mesh):
+    pd = await make_mesh([FakeWorker("prefill"), FakeWorker("decode")])
+    mixed = await make_mesh([FakeWorker("mixed")])
+    messages = [{"role": "user", "content": "tell me a story"}]
+    opts = {"max_tokens": 7, "stream_options": {"include_usage": True}}
+    text, chunks = await _chat_text(pd, messages, **opts)
+    ref, _ = await _chat_text(mixed, messages, **opts)
+    assert text == ref == expected_text({"messages": messages, "max_tokens": 7})
+    assert len({c.id for c in chunks}) == 1  # one completion id across prefill and decode chunks
+    roles = [c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role]
+    assert roles == ["assistant"]  # the decode's role delta is not repeated
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == 7
+    assert usage.usage.prompt_tokens_details.cached_tokens == 0  # the prefill's, not the decode's
+    phases = usage.usage.model_extra["pdmesh"]
+    assert phases["decision"] == "prefill_decode" and phases["kv_transfer_ms"] == 1.5
+    assert phases["first_token_ms"] <= phases["total_ms"]
+
+
+async def test_completions_stream_equals_mixed_worker(make_mesh):
+    pd = await make_mesh([FakeWorker("prefill"), FakeWorker("decode")])
+    mixed = await make_mesh([FakeWorker("mixed")])
+    outs = []
+    for mesh in (pd, mixed):
+        async with _sdk(mesh) as client:
+            stream = await client.completions.create(model="fake-model", prompt="once upon",
+                                                     max_tokens=5, stream=True)
+            outs.append("".join([c.choices[0].text async for c in stream]))
+    assert outs[0] == outs[1] == expected_text({"prompt": "once upon", "max_tokens": 5})
+
+
+async def test_first_token_reaches_the_client_before_the_decode_streams(make_mesh):
+    mesh = await make_mesh([FakeWorker("prefill"), FakeWorker("decode")])
+    gate = asyncio.Event()
+    mesh.role("decode")[0].decode_gate = gate
+    body = {"model": "fake-model", "prompt": "early bird", "max_tokens": 4, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(mesh.url + "/v1/completions", json=body) as resp:
+            first = json.loads((await resp.content.readline())[len(b"data: "):])
+            assert first["choices"][0]["text"] == token_texts(body, 1)[0]
+            assert json.loads(resp.headers["x-pdmesh-phases"])["prefill_ms"] > 0
+            gate.set()  # only now may the decode produce anything
+            rest = (await resp.read()).decode()
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in rest.split("\n")
+             if line.startswith("data: {")]
+    assert first["choices"][0]["text"] + "".join(texts) == expected_text(body)
+    assert rest.rstrip().endswith("data: [DONE]")
+
+
+async def test_push_stream_through_sdk(make_mesh):
+    rv = Rendezvous()
+    mesh = await make_mesh([
+        FakeWorker("prefill", transfer_mode="push", compat_hash="p", rendezvous=rv, prefill_delay=0.05),
+        FakeWorker("decode", transfer_mode="push", compat_hash="p", rendezvous=rv)])
+    messages = [{"role": "user", "content": "push stream"}]
+    text, _ = await _chat_text(mesh, messages, max_tokens=6)
+    assert text == expected_text({"messages": messages, "max_tokens": 6})
+
+
+async def test_stop_strings_disable_the_early_token_but_not_the_result(make_mesh):
+    mesh = await make_mesh([FakeWorker("prefill"), FakeWorker("decode")])
+    messages = [{"role": "user", "content": "with stops"}]
+    text, chunks = await _chat_text(mesh, messages, max_tokens=4, stop=["zzz"])
+    assert text == expected_text({"messages": messages, "max_tokens": 4})
+    assert chunks[0].id.startswith("cmpl-decode")  # everything came from the decode stream
