@@ -1,0 +1,159 @@
+"""The code paths (backends) of the MXFP4 ops, and the object that runs one of them.
+
+Every backend exposes the same three operations with the same signatures; KernelPath is the one
+type that carries them, built the same way for each backend (a Backend plus the loaded library,
+None for the reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+from kernels.mxfp4 import reference
+from kernels.mxfp4.build import BuildResult, Library
+from kernels.mxfp4.format import (
+    check_dtype,
+    check_linear,
+    check_out,
+    check_packed,
+    check_weight,
+)
+
+FUSED_MAX_ROWS = 32  # linear() with more rows dequantises once and calls torch's matmul
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # dtypes the C++ ops produce directly
+
+
+class Backend(StrEnum):
+    """A code path: the plain-torch oracle, or the C++ library's scalar or AVX-512 kernels."""
+
+    REFERENCE = "reference"
+    SCALAR = "scalar"
+    AVX512 = "avx512"
+
+    @property
+    def path_id(self) -> int:
+        """The `path` argument of the C++ ops."""
+        return {Backend.SCALAR: 0, Backend.AVX512: 1}[self]
+
+
+FASTEST_FIRST = (Backend.AVX512, Backend.SCALAR, Backend.REFERENCE)
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run here (not built, compiled out, or missing CPU features)."""
+
+
+def runnable_backends(build: BuildResult) -> tuple[Backend, ...]:
+    """Backends this process can run with this build, fastest first."""
+    lib = build.library
+    found = [Backend.AVX512] if lib is not None and lib.cpu_avx512 else []
+    if lib is not None:
+        found.append(Backend.SCALAR)
+    return (*found, Backend.REFERENCE)
+
+
+def unavailable_reason(backend: Backend, build: BuildResult) -> str:
+    if build.library is None:
+        return f"the C++ library did not build ({build.error or build.state})"
+    if backend is Backend.AVX512 and not build.library.has_avx512_code:
+        return f"the {build.config.variant} build contains no AVX-512 code"
+    if backend is Backend.AVX512:
+        return "this CPU lacks avx512f/avx512bw/avx512vl/avx512dq"
+    return "unknown"
+
+
+def _cpu_only(*tensors: torch.Tensor | None) -> None:
+    for t in tensors:
+        if t is not None and not t.is_cpu:
+            raise ValueError(f"mxfp4: the C++ kernels take CPU tensors, got one on {t.device}")
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """One runnable backend. library must be the loaded library unless backend is REFERENCE."""
+
+    backend: Backend
+    library: Library | None = None
+
+    def __post_init__(self) -> None:
+        if (self.library is None) != (self.backend is Backend.REFERENCE):
+            raise ValueError(f"mxfp4: backend {self.backend} needs library iff it is compiled")
+
+    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """w float [..., K] -> (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32])."""
+        check_weight(w)
+        if self.library is None:
+            return reference.quantize(w)
+        _cpu_only(w)
+        blocks, scales = self.library.ops.quantize(
+            w.to(torch.float32).contiguous(), self.backend.path_id
+        )
+        return blocks, scales
+
+    def dequantize(
+        self,
+        blocks: torch.Tensor,
+        scales: torch.Tensor,
+        dtype: torch.dtype = torch.float32,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """blocks uint8 [..., G, 16], scales uint8 [..., G] -> dtype [..., G*32].
+
+        With out (a contiguous tensor of that shape; its dtype wins over dtype) the values are
+        written there and out is returned: no allocation, for reused buffers.
+        """
+        check_packed(blocks, scales)
+        check_dtype(dtype if out is None else out.dtype)
+        if out is not None:
+            check_out(out, blocks)
+        if self.library is None:
+            values = reference.dequantize(blocks, scales, dtype if out is None else out.dtype)
+            return values if out is None else out.copy_(values)
+        _cpu_only(blocks, scales, out)
+        blocks, scales = blocks.contiguous(), scales.contiguous()
+        if out is not None and out.dtype in _NATIVE_DTYPES:
+            self.library.ops.dequantize_into(blocks, scales, out, self.backend.path_id)
+            return out
+        native = dtype if out is None and dtype in _NATIVE_DTYPES else torch.float32
+        values = self.library.ops.dequantize(blocks, scales, native, self.backend.path_id)
+        if out is not None:
+            return out.copy_(values)
+        return values.to(dtype)  # exact: every MXFP4 value is exact in fp32
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        blocks: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [..., K] @ W.T (+ bias), W [N, K] stored as blocks [N, K/32, 16], scales [N, K/32].
+
+        Up to FUSED_MAX_ROWS rows run the fused kernel on the packed bytes (fp32 accumulation);
+        more rows dequantise W once and use torch's matmul. The result has x's dtype.
+        """
+        check_linear(x, blocks, scales, bias)
+        if self.library is None:
+            return reference.linear(x, blocks, scales, bias)
+        _cpu_only(x, blocks, scales, bias)
+        # The fast path (2-D, native dtype, contiguous) makes no copies: decode calls are ~10 us.
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if x2.dtype not in _NATIVE_DTYPES:
+            x2 = x2.to(torch.float32)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            bias = bias.to(torch.float32).contiguous()
+        if x2.shape[0] > FUSED_MAX_ROWS:
+            w = self.dequantize(blocks, scales, x2.dtype)
+            y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x2.dtype))
+        else:
+            y = self.library.ops.linear(
+                x2, blocks.contiguous(), scales.contiguous(), bias, self.backend.path_id
+            )
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], blocks.shape[0])

@@ -1,0 +1,114 @@
+// MXFP4 CPU kernels: the plain-C++ interface shared by the binding TU (ops.cpp) and the two
+// kernel TUs (scalar.cpp, avx512.cpp). Nothing here includes torch, so the kernel TUs compile in
+// about a second; only ops.cpp pays for the ATen headers.
+//
+// Format (OCP MX v1.0, as gpt-oss checkpoints): blocks of 32 FP4 E2M1 elements share one E8M0
+// scale 2^(s-127) (s == 255 is NaN). Byte i of a block's 16 packed bytes holds element 2i in its
+// low nibble and element 2i+1 in its high nibble.
+//
+// Every helper in this header is `static inline`: avx512.cpp compiles its code for AVX-512, and
+// a helper with external (COMDAT) linkage could be merged by the linker into the scalar TU's
+// copy, which would then execute AVX-512 code on a CPU without it.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace pdmesh_mxfp4 {
+
+constexpr int64_t kBlock = 32;       // elements per block
+constexpr int64_t kBlockBytes = 16;  // packed bytes per block
+constexpr uint32_t kNanScale = 255;  // E8M0 NaN
+constexpr uint32_t kHalfBits = 0x3F000000u;  // fp32 0.5: the exponent bias for E2M1 -> fp32
+constexpr uint32_t kMantBit = 0x00400000u;   // E2M1 mantissa bit, placed at fp32 bit 22
+
+// E2M1 code (bit 3 sign, bits 2..1 exponent, bit 0 mantissa) -> fp32 bits, by bit manipulation.
+// Normal codes: placing the 3 magnitude bits at fp32 bits 24..22 and adding 0x3F000000 rebiases
+// the exponent (E2M1 bias 1 -> fp32 bias 127). Two traps: code 0 must stay +0.0 (hence the
+// non-zero mask on the add), and the subnormal code 1 (0.5) would come out as 0.75, so its
+// mantissa bit is taken back out.
+static inline uint32_t e2m1_to_f32_bits(uint32_t code) {
+  const uint32_t mag = code & 7u;
+  const uint32_t nonzero = 0u - static_cast<uint32_t>(mag != 0);  // all ones unless +-0
+  uint32_t bits = ((mag << 22) + kHalfBits) & nonzero;
+  bits -= static_cast<uint32_t>(mag == 1) * kMantBit;
+  return bits | ((code & 8u) << 28);
+}
+
+// E8M0 scale byte -> fp32 bits of 2^(s-127). s == 0 is the fp32 subnormal 2^-127 (0x00400000);
+// s == 255 gets the same bit ORed onto its all-ones exponent, which makes it a quiet NaN.
+static constexpr inline uint32_t e8m0_to_f32_bits(uint32_t s) {
+  return (s << 23) | ((s == 0 || s == kNanScale) ? kMantBit : 0u);
+}
+
+// e8m0_to_f32_bits for every byte, computed at compile time: one load per block in the kernels.
+struct ScaleTable {
+  uint32_t bits[256];
+};
+static constexpr ScaleTable make_scale_table() {
+  ScaleTable t{};
+  for (uint32_t s = 0; s < 256; ++s) t.bits[s] = e8m0_to_f32_bits(s);
+  return t;
+}
+static constexpr ScaleTable kScaleTable = make_scale_table();
+
+static inline float bits_to_f32(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+static inline uint32_t f32_to_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
+// fp32 -> bf16, round to nearest even; NaN stays a quiet NaN (as c10::BFloat16 does).
+static inline uint16_t f32_to_bf16_rne(float f) {
+  const uint32_t bits = f32_to_bits(f);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// Arguments of the fused y[m, n] = x[m, k] @ W[n, k].T (+ bias). Kernels are called on a range
+// of output columns [n0, n1) and write y[:, n0:n1] for all m rows.
+struct LinearArgs {
+  const float* x;         // [m, k] fp32, each 32-block reordered as 16 even then 16 odd elements
+  const uint16_t* x_bf16; // [m, k] bf16 in natural order (only for linear_bf16)
+  const uint8_t* blocks;  // [n, k/32, 16]
+  const uint8_t* scales;  // [n, k/32]
+  const float* bias;      // [n] or nullptr
+  void* y;                // [m, n] fp32 (linear_f32) or bf16 (linear_bf16)
+  int64_t m, k, n;
+};
+
+// One code path. Ranges are in blocks (quantize, dequantize) or output columns (linear).
+struct KernelTable {
+  void (*quantize)(const float* w, int64_t nblocks, uint8_t* blocks, uint8_t* scales);
+  // stream: non-temporal stores are allowed (out is 64-byte aligned and too big for the caches).
+  void (*dequantize_f32)(const uint8_t* blocks, const uint8_t* scales, int64_t nblocks,
+                         float* out, bool stream);
+  void (*dequantize_bf16)(const uint8_t* blocks, const uint8_t* scales, int64_t nblocks,
+                          uint16_t* out, bool stream);
+  void (*linear_f32)(const LinearArgs& a, int64_t n0, int64_t n1);
+  void (*linear_bf16)(const LinearArgs& a, int64_t n0, int64_t n1);  // nullptr: unsupported
+};
+
+const KernelTable& scalar_table();
+
+struct Avx512Support {
+  bool cpu;   // avx512f/bw/vl/dq present (and enabled by the OS)
+  bool bf16;  // avx512_bf16 present: linear_bf16 uses vdpbf16ps
+};
+
+#ifndef PDMESH_MXFP4_SCALAR_ONLY
+Avx512Support avx512_support();
+// The AVX-512 table, or nullptr when the CPU lacks the features.
+const KernelTable* avx512_table();
+// Fused kernels of avx512_linear.cpp; call only through avx512_table().
+void linear_f32_avx512(const LinearArgs& a, int64_t n0, int64_t n1);
+void linear_bf16_avx512(const LinearArgs& a, int64_t n0, int64_t n1);
+#endif
+
+}  // namespace pdmesh_mxfp4

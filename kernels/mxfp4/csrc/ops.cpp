@@ -1,0 +1,207 @@
+// Torch operator bindings for the MXFP4 CPU kernels (TORCH_LIBRARY, no pybind: this TU compiles
+// in seconds, where <torch/extension.h> alone takes half a minute on two cores).
+// Ops live in the namespace PDMESH_MXFP4_NS (one per build variant) and share one schema:
+//   features() -> int
+//   quantize(Tensor w, int path) -> (Tensor, Tensor)
+//   dequantize(Tensor blocks, Tensor scales, ScalarType dtype, int path) -> Tensor
+//   dequantize_into(Tensor blocks, Tensor scales, Tensor(a!) out, int path) -> ()
+//   linear(Tensor x, Tensor blocks, Tensor scales, Tensor? bias, int path) -> Tensor
+// path: 0 scalar, 1 avx512. Python (kernels/mxfp4/backend.py) validates dtypes and shapes and
+// makes inputs contiguous; the checks here only guard memory safety.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+
+#ifndef PDMESH_MXFP4_NS
+#error "PDMESH_MXFP4_NS must name the operator namespace"
+#endif
+
+namespace pdmesh_mxfp4 {
+namespace {
+
+// features() bits.
+constexpr int64_t kHasAvx512Code = 1;  // the AVX-512 TUs are compiled in
+constexpr int64_t kCpuAvx512 = 2;      // the CPU runs them
+constexpr int64_t kCpuBf16 = 4;        // ... including avx512_bf16
+constexpr int64_t kStreamBytes = int64_t{8} << 20;  // non-temporal stores above this output size
+
+int64_t features() {
+#ifdef PDMESH_MXFP4_SCALAR_ONLY
+  return 0;
+#else
+  const Avx512Support s = avx512_support();
+  return kHasAvx512Code | (s.cpu ? kCpuAvx512 : 0) | (s.bf16 ? kCpuBf16 : 0);
+#endif
+}
+
+const KernelTable& table_for(int64_t path) {
+  if (path == 0) return scalar_table();
+#ifndef PDMESH_MXFP4_SCALAR_ONLY
+  if (path == 1) {
+    const KernelTable* t = avx512_table();
+    TORCH_CHECK(t != nullptr, "mxfp4: this CPU lacks avx512f/bw/vl/dq");
+    return *t;
+  }
+#endif
+  TORCH_CHECK(false, "mxfp4: code path ", path, " is not compiled into this library");
+}
+
+void check_packed(const at::Tensor& blocks, const at::Tensor& scales) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && scales.scalar_type() == at::kByte,
+              "mxfp4: blocks and scales must be uint8");
+  TORCH_CHECK(blocks.is_contiguous() && scales.is_contiguous(), "mxfp4: inputs must be contiguous");
+  TORCH_CHECK(blocks.device().is_cpu() && scales.device().is_cpu(), "mxfp4: CPU tensors only");
+  TORCH_CHECK(blocks.dim() >= 2 && blocks.size(-1) == kBlockBytes, "mxfp4: blocks must be [..., 16]");
+  TORCH_CHECK(blocks.numel() == scales.numel() * kBlockBytes, "mxfp4: blocks/scales mismatch");
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& w, int64_t path) {
+  TORCH_CHECK(w.device().is_cpu(), "mxfp4: CPU tensors only");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() >= 1,
+              "mxfp4: quantize takes a contiguous float32 tensor");
+  TORCH_CHECK(w.size(-1) % kBlock == 0, "mxfp4: last dim must be a multiple of 32");
+  const KernelTable& t = table_for(path);
+  std::vector<int64_t> shape(w.sizes().begin(), w.sizes().end() - 1);
+  shape.push_back(w.size(-1) / kBlock);
+  at::Tensor scales = at::empty(shape, w.options().dtype(at::kByte));
+  shape.push_back(kBlockBytes);
+  at::Tensor blocks = at::empty(shape, w.options().dtype(at::kByte));
+  const float* src = w.data_ptr<float>();
+  uint8_t* bp = blocks.data_ptr<uint8_t>();
+  uint8_t* sp = scales.data_ptr<uint8_t>();
+  at::parallel_for(0, scales.numel(), 1024, [&](int64_t b0, int64_t b1) {
+    t.quantize(src + b0 * kBlock, b1 - b0, bp + b0 * kBlockBytes, sp + b0);
+  });
+  return {blocks, scales};
+}
+
+// Writes into out (fp32 or bf16, contiguous, blocks' shape with the last two dims merged).
+void dequantize_into(const at::Tensor& blocks, const at::Tensor& scales, const at::Tensor& out,
+                     int64_t path) {
+  check_packed(blocks, scales);
+  const at::ScalarType dtype = out.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "mxfp4: dtype must be fp32 or bf16");
+  TORCH_CHECK(out.is_contiguous() && out.device().is_cpu() &&
+                  out.numel() == scales.numel() * kBlock,
+              "mxfp4: out must be a contiguous CPU tensor of blocks.numel() * 2 elements");
+  const KernelTable& t = table_for(path);
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  const uint8_t* sp = scales.data_ptr<uint8_t>();
+  const bool stream = out.nbytes() >= static_cast<size_t>(kStreamBytes) &&
+                      reinterpret_cast<uintptr_t>(out.data_ptr()) % 64 == 0;
+  at::parallel_for(0, scales.numel(), 2048, [&](int64_t b0, int64_t b1) {
+    if (dtype == at::kFloat) {
+      t.dequantize_f32(bp + b0 * kBlockBytes, sp + b0, b1 - b0,
+                       out.data_ptr<float>() + b0 * kBlock, stream);
+    } else {
+      auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+      t.dequantize_bf16(bp + b0 * kBlockBytes, sp + b0, b1 - b0, o + b0 * kBlock, stream);
+    }
+  });
+}
+
+at::Tensor dequantize(const at::Tensor& blocks, const at::Tensor& scales, at::ScalarType dtype,
+                      int64_t path) {
+  check_packed(blocks, scales);
+  std::vector<int64_t> shape(blocks.sizes().begin(), blocks.sizes().end() - 2);
+  shape.push_back(blocks.size(-2) * kBlock);
+  at::Tensor out = at::empty(shape, blocks.options().dtype(dtype));
+  dequantize_into(blocks, scales, out, path);
+  return out;
+}
+
+// x [m, k] (fp32 or bf16) -> fp32 [m, k] with each 32-block reordered as 16 even, 16 odd
+// elements: the order of the low and high nibbles of a block's bytes.
+template <typename T, typename ToFloat>
+void deinterleave(const T* src, float* dst, int64_t nblocks, ToFloat to_float) {
+  for (int64_t b = 0; b < nblocks; ++b, src += kBlock, dst += kBlock) {
+    for (int64_t i = 0; i < kBlock / 2; ++i) {
+      dst[i] = to_float(src[2 * i]);
+      dst[kBlock / 2 + i] = to_float(src[2 * i + 1]);
+    }
+  }
+}
+
+at::Tensor reorder_x(const at::Tensor& x) {
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  const int64_t nblocks = x.numel() / kBlock;
+  if (x.scalar_type() == at::kBFloat16) {
+    const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    deinterleave(src, out.data_ptr<float>(), nblocks,
+                 [](uint16_t v) { return bits_to_f32(static_cast<uint32_t>(v) << 16); });
+  } else {
+    deinterleave(x.data_ptr<float>(), out.data_ptr<float>(), nblocks, [](float v) { return v; });
+  }
+  return out;
+}
+
+void check_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& scales,
+                  const std::optional<at::Tensor>& bias) {
+  check_packed(blocks, scales);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
+              "mxfp4: x must be a contiguous CPU [m, k] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "mxfp4: x must be fp32 or bf16");
+  TORCH_CHECK(blocks.dim() == 3 && blocks.size(1) * kBlock == x.size(1),
+              "mxfp4: blocks must be [n, k/32, 16] matching x [m, k]");
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == blocks.size(0) && bias->device().is_cpu(),
+                "mxfp4: bias must be a contiguous float32 [n] tensor");
+  }
+}
+
+// Runs kernel over all output columns on torch's intra-op threads, in groups of 4 columns (the
+// widest tile). A group costs about 4 * k * (m + 3) units (decoding ~ 3 rows of FMAs); a thread
+// gets >= 2^19 units (~10 us), so small matrices stay on one thread rather than pay fork/join.
+void run_columns(void (*kernel)(const LinearArgs&, int64_t, int64_t), const LinearArgs& args) {
+  const int64_t groups = (args.n + 3) / 4;
+  const int64_t cost = std::max<int64_t>(1, 4 * args.k * (args.m + 3));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 19) / cost);
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    kernel(args, g0 * 4, std::min(g1 * 4, args.n));
+  });
+}
+
+// y [m, n] = x [m, k] @ W.T (+ bias), in x's dtype. bf16 x runs the bf16 kernel when the CPU
+// has one; otherwise x is widened to fp32 and the fp32 result rounded back.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& scales,
+                  const std::optional<at::Tensor>& bias, int64_t path) {
+  check_linear(x, blocks, scales, bias);
+  const KernelTable& t = table_for(path);
+  const bool bf16_kernel = x.scalar_type() == at::kBFloat16 && t.linear_bf16 != nullptr;
+  const at::Tensor xr = bf16_kernel ? x : reorder_x(x);
+  const int64_t m = x.size(0), n = blocks.size(0);
+  at::Tensor y = at::empty({m, n}, x.options().dtype(bf16_kernel ? at::kBFloat16 : at::kFloat));
+  LinearArgs args{};
+  args.x = bf16_kernel ? nullptr : xr.data_ptr<float>();
+  args.x_bf16 = bf16_kernel ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
+  args.blocks = blocks.data_ptr<uint8_t>();
+  args.scales = scales.data_ptr<uint8_t>();
+  args.bias = bias ? bias->data_ptr<float>() : nullptr;
+  args.y = y.data_ptr();
+  args.m = m;
+  args.k = x.size(1);
+  args.n = n;
+  run_columns(bf16_kernel ? t.linear_bf16 : t.linear_f32, args);
+  return x.scalar_type() == at::kBFloat16 && !bf16_kernel ? y.to(at::kBFloat16) : y;
+}
+
+}  // namespace
+}  // namespace pdmesh_mxfp4
+
+#define PDMESH_MXFP4_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+
+PDMESH_MXFP4_LIBRARY(PDMESH_MXFP4_NS, m) {
+  m.def("features() -> int", &pdmesh_mxfp4::features);
+  m.def("quantize(Tensor w, int path) -> (Tensor, Tensor)", &pdmesh_mxfp4::quantize);
+  m.def("dequantize(Tensor blocks, Tensor scales, ScalarType dtype, int path) -> Tensor",
+        &pdmesh_mxfp4::dequantize);
+  m.def("dequantize_into(Tensor blocks, Tensor scales, Tensor(a!) out, int path) -> ()",
+        &pdmesh_mxfp4::dequantize_into);
+  m.def("linear(Tensor x, Tensor blocks, Tensor scales, Tensor? bias, int path) -> Tensor",
+        &pdmesh_mxfp4::linear);
+}

@@ -1,0 +1,98 @@
+"""Plain-torch MXFP4 reference: the oracle every compiled path is tested against, bit for bit.
+
+Everything is computed in float64, where each MXFP4 value (<= 2 significant bits times a power of
+two in [2^-127, 2^127]) is exact, and rounded once to the output dtype; so a value that
+overflows fp32 (6 * 2^127) becomes inf, and tiny ones become exact fp32/bf16 subnormals.
+
+Quantisation (OCP MX v1.0, section 6.3): the block's shared exponent is
+floor(log2(amax)) - emax_elem (emax_elem = 2 for E2M1), clamped to E8M0's minimum -127 (an
+all-zero block gets -127, the limit of log2(0) = -inf); elements are divided by 2^shared, rounded
+to the nearest E2M1 value with ties to the even code, and saturated to +-6. The sign bit is kept,
+so -0.0 and negative values that round to zero get the negative-zero code 8. A block holding
+Inf or NaN gets scale 255 (NaN) and zero codes. Inputs are first rounded to float32, as the
+compiled paths take float32.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import pairwise
+
+import torch
+
+from kernels.mxfp4.format import (
+    BLOCK_BYTES,
+    BLOCK_SIZE,
+    E2M1_MAGNITUDES,
+    EMAX_ELEM,
+    NAN_SCALE,
+    SCALE_BIAS,
+    check_dtype,
+    check_linear,
+    check_packed,
+    check_weight,
+)
+
+# Midpoints between consecutive E2M1 magnitudes; the tie at midpoint j goes to the even code,
+# i.e. down (strict >) when j is even and up (>=) when j is odd.
+_MIDPOINTS = tuple((lo + hi) / 2 for lo, hi in pairwise(E2M1_MAGNITUDES))
+
+
+def e2m1_values() -> torch.Tensor:
+    """float64 [16]: the value of every E2M1 code; code 8 is -0.0."""
+    return torch.tensor([*E2M1_MAGNITUDES, *(-m for m in E2M1_MAGNITUDES)], dtype=torch.float64)
+
+
+def e8m0_values() -> torch.Tensor:
+    """float64 [256]: 2^(s-127) for every scale byte s, NaN for 255 (math.ldexp is exact)."""
+    return torch.tensor(
+        [math.ldexp(1.0, s - SCALE_BIAS) for s in range(NAN_SCALE)] + [math.nan], dtype=torch.float64
+    )
+
+
+def dequantize(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> dtype [..., G*32]."""
+    check_packed(blocks, scales)
+    check_dtype(dtype)
+    e2m1, byte = e2m1_values(), torch.arange(256)
+    pairs = torch.stack((e2m1[byte & 15], e2m1[byte >> 4]), dim=-1)  # byte -> (element 2i, 2i+1)
+    values = pairs[blocks.int()].flatten(-2) * e8m0_values()[scales.int()].unsqueeze(-1)
+    return values.flatten(-2).to(dtype)  # [..., G, 32] -> [..., G*32]
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w float [..., K] -> (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32])."""
+    check_weight(w)
+    v = w.to(torch.float32).to(torch.float64).unflatten(-1, (-1, BLOCK_SIZE))  # [..., G, 32]
+    amax = v.abs().amax(-1)  # NaN propagates
+    finite = torch.isfinite(amax)
+    _, exp = torch.frexp(amax)  # amax = m * 2^exp, m in [0.5, 1): floor(log2(amax)) = exp - 1
+    shared = torch.where(amax > 0, exp - 1 - EMAX_ELEM, -SCALE_BIAS).clamp(min=-SCALE_BIAS)
+    shared = torch.where(finite, shared, 0)
+    pow2 = torch.tensor([math.ldexp(1.0, e) for e in range(-SCALE_BIAS, SCALE_BIAS + 1)])
+    scaled = v.abs() / pow2.to(torch.float64)[shared + SCALE_BIAS].unsqueeze(-1)
+    codes = torch.zeros(v.shape, dtype=torch.int64)
+    for j, mid in enumerate(_MIDPOINTS):
+        codes += (scaled > mid) if j % 2 == 0 else (scaled >= mid)
+    codes |= torch.signbit(v).long() << 3
+    codes = torch.where(finite.unsqueeze(-1), codes, 0)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    scales = torch.where(finite, shared + SCALE_BIAS, NAN_SCALE).to(torch.uint8)
+    assert blocks.shape[-1] == BLOCK_BYTES
+    return blocks, scales
+
+
+def linear(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias) with W [N, K] dequantised to fp32; fp32 matmul, result in x.dtype."""
+    check_linear(x, blocks, scales, bias)
+    y = x.to(torch.float32) @ dequantize(blocks, scales, torch.float32).T
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)
