@@ -1,0 +1,125 @@
+"""The code paths (backends) of the dense linear, and the object that runs one of them.
+
+KernelPath is the one type callers hold: a Backend plus the loaded library (None for the
+reference). Its linear() sends what the C++ kernels handle (bf16 weight, fp32/bf16 x, up to
+MAX_ROWS rows) to them and everything else to torch's F.linear, so every backend accepts the
+same inputs and returns the same dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kernels.dense.build import BuildResult, Library
+
+MAX_ROWS = 32  # more rows (prefill) go to torch's matmul (oneDNN), which is compute-efficient
+X_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes the C++ kernels take
+_BIAS_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class Backend(StrEnum):
+    """A code path: torch's F.linear, or the C++ library's AVX-512 kernels.
+
+    AVX512_BF16 runs bf16 activations through vdpbf16ps and fp32 ones through the FMA kernel;
+    AVX512_FMA widens bf16 weights to fp32 and uses FMA for both activation dtypes.
+    """
+
+    REFERENCE = "reference"
+    AVX512_FMA = "avx512_fma"
+    AVX512_BF16 = "avx512_bf16"
+
+
+FASTEST_FIRST = (Backend.AVX512_BF16, Backend.AVX512_FMA, Backend.REFERENCE)
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run here (library not built, or missing CPU features)."""
+
+
+def runnable_backends(build: BuildResult) -> tuple[Backend, ...]:
+    """Backends this process can run with this build, fastest first."""
+    lib = build.library
+    found = []
+    if lib is not None and lib.cpu_avx512:
+        found = [Backend.AVX512_BF16, Backend.AVX512_FMA] if lib.cpu_bf16 else [Backend.AVX512_FMA]
+    return (*found, Backend.REFERENCE)
+
+
+def unavailable_reason(backend: Backend, build: BuildResult) -> str:
+    if build.library is None:
+        return f"the C++ library did not build ({build.error or build.state})"
+    if not build.library.cpu_avx512:
+        return "this CPU lacks avx512f/avx512bw/avx512vl/avx512dq"
+    if backend is Backend.AVX512_BF16:
+        return "this CPU lacks avx512_bf16"
+    return "unknown"
+
+
+def needs_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Autograd must see this call: the C++ op has no backward, so torch runs it instead."""
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+
+
+def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """The oracle and fallback: F.linear with weight (and bias) in x's dtype; returns x's dtype."""
+    w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+    b = bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
+    return F.linear(x, w, b)
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """One runnable backend. library must be the loaded library unless backend is REFERENCE."""
+
+    backend: Backend
+    library: Library | None = None
+
+    def __post_init__(self) -> None:
+        if (self.library is None) != (self.backend is Backend.REFERENCE):
+            raise ValueError(f"dense: backend {self.backend} needs library iff it is compiled")
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """x [..., K] @ weight.T (+ bias) -> [..., N] in x's dtype; weight [N, K].
+
+        The kernels take a bf16 weight (rows contiguous), fp32 or bf16 x of up to MAX_ROWS rows
+        on the CPU, and accumulate in fp32; any other input, or a call autograd must record,
+        runs torch's F.linear.
+        """
+        if x.shape[-1] != weight.shape[-1] or weight.dim() != 2:
+            raise ValueError(f"dense: x [..., {x.shape[-1]}] does not match weight "
+                             f"{tuple(weight.shape)} (expected [N, {x.shape[-1]}])")
+        if bias is not None and bias.shape != (weight.shape[0],):
+            raise ValueError(f"dense: bias {tuple(bias.shape)} does not match weight "
+                             f"{tuple(weight.shape)}")
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if (self.library is None or x2.shape[0] > MAX_ROWS or x2.dtype not in X_DTYPES
+                or not x2.is_cpu or not self.takes_weight(weight, bias)
+                or needs_grad(x, weight, bias)):
+            return reference_linear(x, weight, bias)
+        y = self.op(x2, weight, bias, self.path_id(x2.dtype))
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
+
+    def takes_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether the C++ kernels take this weight and bias (else torch runs them)."""
+        return (self.library is not None and weight.dtype == torch.bfloat16 and weight.is_cpu
+                and weight.stride(-1) == 1 and weight.stride(0) >= weight.shape[1]
+                and (bias is None or (bias.dtype in _BIAS_DTYPES and bias.is_contiguous())))
+
+    def path_id(self, x_dtype: torch.dtype) -> int:
+        """The C++ op's `path` for x_dtype: 1 vdpbf16ps (bf16 x only), 0 the FMA kernel."""
+        return 1 if self.backend is Backend.AVX512_BF16 and x_dtype == torch.bfloat16 else 0
+
+    @functools.cached_property
+    def op(self) -> Any:
+        """The C++ op's overload, resolved once: (x [m, K], weight, bias, path) -> y [m, N]."""
+        assert self.library is not None, "the reference path has no C++ op"
+        return self.library.ops.linear.default
