@@ -98,11 +98,13 @@ def paged_attention(
     v_flat = kv_layer[1].view(-1, kvh, d)
     k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
     v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
-    keys = k_flat[meta.gather_slots].to(q.dtype).transpose(1, 2)  # [B, KVH, Lmax, D]
-    values = v_flat[meta.gather_slots].to(q.dtype).transpose(1, 2)
-    queries = q[meta.query_index].transpose(1, 2)  # [B, H, Qmax, D]
+    # Attention math runs in fp32 whatever the model dtype: torch's CPU SDPA is several times
+    # slower in bf16 than in fp32 at these sizes, and the upcast of [B, Lmax] rows is cheap.
+    keys = k_flat[meta.gather_slots].float().transpose(1, 2)  # [B, KVH, Lmax, D]
+    values = v_flat[meta.gather_slots].float().transpose(1, 2)
+    queries = q[meta.query_index].float().transpose(1, 2)  # [B, H, Qmax, D]
     out = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=meta.attn_mask, scale=scale,
         enable_gqa=queries.shape[1] != keys.shape[1],
     )  # [B, H, Qmax, D]
-    return out.transpose(1, 2)[meta.query_valid]  # [T, H, D]
+    return out.transpose(1, 2)[meta.query_valid].to(q.dtype)  # [T, H, D]

@@ -1,0 +1,246 @@
+"""AsyncEngine: one dedicated engine thread running LLMEngine.step(), bridged to asyncio.
+
+Threading model: the engine thread owns the LLMEngine. Other threads never touch it; they
+append commands (add, abort, call_in_engine) to a queue guarded by a Condition, and the
+thread runs them between steps. When there is nothing to compute the thread sleeps on the
+Condition (no busy spin). Outputs go back with ONE `loop.call_soon_threadsafe` per step,
+which puts each RequestOutput into its request's asyncio.Queue.
+If a step raises, the thread fails every in-flight request with an ERROR output, marks the
+engine unhealthy and exits; later calls raise EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from shared.config import EngineConfig
+from shared.engine.engine import EngineStats, LLMEngine
+from shared.engine.outputs import FinishReason, RequestOutput
+from shared.engine.sampling_params import SamplingParams
+from shared.model.config import ModelConfig
+from shared.model.tokenizer import Tokenizer
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+_IDLE_WAIT_S = 1.0  # safety net only: every state change also notifies the condition
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (never started, shut down, or crashed)."""
+
+
+class AsyncEngine:
+    """The services' handle on one engine; every public method is called from the event loop.
+
+    After `await start()`: tokenizer, model_config, model_dir, max_model_len, fingerprint and
+    a fresh engine_id are set. `generate` yields incremental RequestOutputs; leaving the
+    iteration early (break + aclose, cancellation, GeneratorExit) aborts the request, which
+    frees its blocks before the next step.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.engine: LLMEngine | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.model_config: ModelConfig | None = None
+        self.model_dir: Path | None = None
+        self.max_model_len = 0
+        self.fingerprint = ""
+        self.engine_id = ""
+        self.healthy = False
+        self._cond = threading.Condition()
+        self._commands: deque[Callable[[LLMEngine], None]] = deque()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._stats: EngineStats | None = None
+        self._waiters: set[asyncio.Future[Any]] = set()  # pending call_in_engine results
+
+    # ---- life cycle ------------------------------------------------------------------------
+    async def start(self, engine: LLMEngine | None = None) -> None:
+        """Load the model off the event loop (or adopt a built `engine`), warm up, start."""
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        if engine is None:
+            engine = await asyncio.to_thread(LLMEngine.from_config, self.config)
+        await asyncio.to_thread(engine.warmup)
+        self.engine, self.tokenizer, self.model_config = engine, engine.tokenizer, engine.model_config
+        self.model_dir, self.fingerprint = engine.model_dir, engine.fingerprint
+        self.max_model_len = engine.max_model_len
+        self.engine_id = uuid.uuid4().hex
+        self._stats = engine.stats()
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self.healthy = True
+        self._thread = threading.Thread(target=self._run, name="pdmesh-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Abort everything (consumers get ABORT outputs) and stop the thread."""
+        thread = self._thread
+        if thread is None:
+            return
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+        self.healthy = False
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        assert engine is not None
+        try:
+            while True:
+                with self._cond:
+                    if not self._commands and not self._stopping and not engine.has_work():
+                        self._cond.wait(_IDLE_WAIT_S)
+                    commands, self._commands = self._commands, deque()
+                    stopping = self._stopping
+                for command in commands:
+                    command(engine)
+                if stopping:
+                    for rid in list(engine.scheduler.requests):
+                        engine.abort_request(rid)
+                outputs = engine.step()
+                self._stats = engine.stats()
+                self._deliver(outputs)
+                if stopping:
+                    self._close("the engine was shut down")
+                    return
+        except BaseException as exc:  # noqa: BLE001 - any failure must reach the consumers
+            log.exception("engine thread died")
+            error = f"engine failed: {exc!r}"
+            self._deliver(engine.fail_all(error))
+            self._close(error)
+
+    def _close(self, error: str) -> None:
+        """Refuse further commands; whatever still waits on the engine gets `error`."""
+        with self._cond:  # no command gets in after this; queued ones never run
+            self.healthy = False
+            self._commands.clear()
+        self._fail_orphans(error)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if outputs and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._put, outputs)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    def _put(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def _fail_orphans(self, error: str) -> None:
+        """Error outputs for streams whose request never reached the engine, and
+        EngineDeadError for call_in_engine callers whose command will never run."""
+        def fail() -> None:
+            for rid, queue in list(self._queues.items()):
+                queue.put_nowait(_error_output(rid, error))
+            for future in list(self._waiters):
+                _settle(future, None, EngineDeadError(error))
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(fail)
+            except RuntimeError:
+                pass
+
+    def _submit(self, command: Callable[[LLMEngine], Any]) -> None:
+        with self._cond:
+            if not self.healthy or self._thread is None:
+                raise EngineDeadError("the engine is not running")
+            self._commands.append(command)
+            self._cond.notify()
+
+    # ---- public API ------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams, **kw: Any) -> AsyncIterator[RequestOutput]:
+        """Incremental outputs until one with `finished`; kw go to LLMEngine.add_request
+        (hold_kv, prefilled, arrival_time). Raises ValueError for an invalid request and
+        EngineDeadError when the engine is down."""
+        if self.engine is None:
+            raise EngineDeadError("the engine is not started")
+        self.engine.validate(prompt_token_ids, params)
+        if request_id in self._queues:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            self._submit(lambda e: self._add(e, request_id, list(prompt_token_ids), params, kw))
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def _add(self, engine: LLMEngine, request_id: str, prompt: list[int],
+             params: SamplingParams, kw: dict[str, Any]) -> None:
+        try:
+            engine.add_request(request_id, prompt, params, **kw)
+        except Exception as exc:  # noqa: BLE001 - reported to this request only
+            self._deliver([_error_output(request_id, str(exc), prompt)])
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe, never raises; the request's blocks are freed before the next step
+        (a dead or stopped engine has nothing left to free)."""
+        try:
+            self._submit(lambda e: e.abort_request(request_id))
+        except EngineDeadError:
+            pass
+
+    async def call_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run fn(engine) on the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def command(engine: LLMEngine) -> None:
+            try:
+                result = fn(engine)
+            except Exception as exc:  # noqa: BLE001 - handed to the awaiting caller
+                loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, future, result, None)
+
+        self._waiters.add(future)
+        try:
+            self._submit(command)
+            return await future
+        finally:
+            self._waiters.discard(future)
+
+    def stats(self) -> EngineStats:
+        """The snapshot published after the latest step (thread-safe, never blocks)."""
+        if self._stats is None:
+            raise EngineDeadError("the engine is not started")
+        return self._stats
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+def _error_output(request_id: str, error: str, prompt: list[int] | None = None) -> RequestOutput:
+    return RequestOutput(request_id=request_id, prompt_token_ids=prompt or [], new_token_ids=[],
+                         new_text="", token_ids=[], text="", finished=True,
+                         finish_reason=FinishReason.ERROR, error=error)

@@ -1,0 +1,270 @@
+"""LLMEngine: the synchronous core that the offline LLM and the AsyncEngine thread drive.
+
+`step()` is the whole loop body: schedule, run (forward + sample), update, emit. Every
+feature lives in a component (scheduler, block manager, runner, sampler, output processor).
+The P/D hooks (held KV, pre-allocated receiving blocks, prefilled requests, the public
+`runner.kv_cache`) are plain methods here, to be called on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared.config import EngineConfig
+from shared.engine.block_manager import KVCacheManager
+from shared.engine.output_processor import OutputProcessor
+from shared.engine.outputs import RequestOutput
+from shared.engine.request import PrefilledKV, Request, RequestStatus
+from shared.engine.runner import KV_DTYPES, CausalLM, KVGeometry, ModelRunner
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import Scheduler
+from shared.model.config import ModelConfig
+from shared.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for /metrics and the router (kv_usage is a 0..1 fraction)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    block_size: int
+    num_held_blocks: int
+
+
+class LLMEngine:
+    """One model, one KV cache, one scheduler; not thread-safe (one engine thread owns it).
+
+    Build with `LLMEngine.from_config(config)` (resolves, loads, tokenizer) or directly from
+    already-built parts (tests). max_model_len is the checkpoint's limit (or the configured
+    one), capped by what the KV cache can hold and, without chunked prefill, by
+    max_num_batched_tokens, so that any single request always fits.
+    """
+
+    def __init__(self, config: EngineConfig, model: CausalLM, model_config: ModelConfig,
+                 tokenizer: Tokenizer, *, model_dir: Path | None = None,
+                 fingerprint: str = "") -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
+        self.model_dir, self.fingerprint = model_dir, fingerprint
+        geometry = KVGeometry(
+            num_layers=getattr(model, "num_local_layers", model_config.num_layers),
+            num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
+            block_size=config.block_size, dtype=KV_DTYPES[config.resolved_kv_dtype])
+        self.runner = ModelRunner(model, geometry, config, model_config.vocab_size)
+        self.max_model_len = self._max_model_len()
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                 config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   enable_chunked_prefill=config.enable_chunked_prefill)
+        self.output_processor = OutputProcessor(tokenizer, self.max_model_len)
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
+        self.last_num_scheduled_tokens = 0
+        self._pending: list[RequestOutput] = []  # outputs produced between steps
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        from shared.model.loader import load_model, open_checkpoint
+        from shared.model.registry import resolve_model
+
+        model_dir = resolve_model(config.model, config.resolved_cache_dir)
+        model, model_config = load_model(model_dir, config.dtype,
+                                         quantization=config.quantization)
+        _accelerate(model, config)
+        return cls(config, model, model_config, Tokenizer(model_dir), model_dir=model_dir,
+                   fingerprint=open_checkpoint(model_dir).fingerprint())
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len={wanted} exceeds the model's limit {limit}")
+        caps = [wanted, self.runner.num_blocks * self.config.block_size]
+        if not self.config.enable_chunked_prefill:
+            caps.append(self.config.max_num_batched_tokens)
+        if min(caps) < wanted:  # only worth a warning when the user asked for the length
+            level = logging.WARNING if self.config.max_model_len else logging.INFO
+            log.log(level, "max_model_len capped from %d to %d (KV cache / batch budget)",
+                    wanted, min(caps))
+        return min(caps)
+
+    # ---- requests --------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request this engine cannot run (thread-safe: reads config)."""
+        if params.n != 1:
+            raise ValueError("the engine runs n=1 requests; fan out with params.for_choice(i)")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the context length "
+                             f"is {self.max_model_len} (one must be left to generate)")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, hold_kv: bool = False, prefilled: PrefilledKV | None = None,
+                    wait_for_remote_kv: bool = False, arrival_time: float | None = None,
+                    ) -> Request:
+        """Queue a request.
+
+        hold_kv: when it finishes normally its blocks are kept until `release_held`.
+        prefilled: it starts from KV already in `prefilled.block_ids` (which it then owns).
+        wait_for_remote_kv: it waits (WAITING_FOR_REMOTE_KV, abortable, never scheduled)
+        until `remote_kv_ready` hands it its prefilled KV.
+        """
+        self.validate(prompt_token_ids, params)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if hold_kv and self.kv.held_block_ids(request_id) is not None:
+            raise ValueError(f"request id {request_id!r} still holds KV blocks")
+        if prefilled is not None and wait_for_remote_kv:
+            raise ValueError("prefilled and wait_for_remote_kv are exclusive")
+        extra = {} if arrival_time is None else {"arrival_time": arrival_time}
+        req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids,
+                      hold_kv=hold_kv, **extra)
+        if prefilled is not None:
+            self._adopt(req, prefilled)
+        if wait_for_remote_kv:
+            req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.scheduler.add_request(req)
+        self.output_processor.add_request(req)
+        if req.output_token_ids:  # the prefilled first token is emitted first
+            self._emit(req)
+        return req
+
+    def remote_kv_ready(self, request_id: str, prefilled: PrefilledKV) -> None:
+        """Give a WAITING_FOR_REMOTE_KV request its received KV; it becomes schedulable."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request {request_id!r} is not waiting for remote KV")
+        self._adopt(req, prefilled)
+        req.status = RequestStatus.WAITING
+        if req.output_token_ids:
+            self._emit(req)
+
+    def _adopt(self, req: Request, pre: PrefilledKV) -> None:
+        n = pre.num_computed_tokens
+        if pre.first_token_id is not None and n != req.num_prompt_tokens:
+            raise ValueError("a prefilled first token needs the whole prompt's KV")
+        if not 0 < n < req.num_prompt_tokens + (pre.first_token_id is not None):
+            raise ValueError(f"num_computed_tokens={n} must be in [1, prompt length]")
+        self.kv.adopt_blocks(req, list(pre.block_ids), n)
+        if pre.first_token_id is not None:
+            req.append_output_token(pre.first_token_id)
+            if pre.first_logprob is not None:
+                req.pending_logprobs.append(pre.first_logprob)
+
+    def _emit(self, req: Request) -> RequestOutput:
+        out = self.output_processor.process(req)
+        if req.is_finished:
+            self.scheduler.finish_request(req.request_id, req.status)
+        self._pending.append(out)
+        return out
+
+    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                      error: str | None = None) -> bool:
+        """Finish a request now (its blocks are freed at once); its final output is emitted
+        by the next step(). Unknown or finished ids are ignored."""
+        req = self.scheduler.finish_request(request_id, status)
+        if req is None:
+            return False
+        req.error = error
+        self._pending.append(self.output_processor.finish(req))
+        return True
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Finish every request with FINISHED_ERROR; returns their (and pending) outputs."""
+        for rid in list(self.scheduler.requests):
+            self.abort_request(rid, RequestStatus.FINISHED_ERROR, error)
+        outputs, self._pending = self._pending, []
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    def has_work(self) -> bool:
+        """Whether step() can make progress with no outside change: outputs are pending, or
+        requests exist and the last step computed something. False while every request is
+        blocked (waiting for KV blocks held elsewhere, or for remote KV)."""
+        return bool(self._pending) or (self.scheduler.has_unfinished_requests()
+                                       and self.last_num_scheduled_tokens > 0)
+
+    # ---- the loop body -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        self.last_num_scheduled_tokens = batch.total_num_scheduled_tokens
+        if batch.is_empty:
+            return outputs
+        result = self.runner.execute(batch)
+        for req in self.scheduler.update_from_output(batch, result.sampled_token_ids,
+                                                     result.logprobs):
+            outputs.append(self.output_processor.process(req))
+            if req.is_finished:
+                self.scheduler.finish_request(req.request_id, req.status)
+        return outputs
+
+    # ---- P/D hooks (engine thread only) ----------------------------------------------------
+    def held_block_ids(self, request_id: str) -> list[int] | None:
+        return self.kv.held_block_ids(request_id)
+
+    def release_held(self, request_id: str) -> bool:
+        return self.kv.release_held(request_id)
+
+    def allocate_blocks(self, num_tokens: int) -> list[int] | None:
+        return self.kv.allocate_blocks(num_tokens)
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        self.kv.free_blocks(block_ids)
+
+    # ---- misc ------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        kv = self.kv
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_blocks,
+            kv_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
+            block_size=kv.block_size, num_held_blocks=kv.num_held_blocks)
+
+    def warmup(self) -> None:
+        """Run one short request through every component, then forget it (cache, counters)."""
+        prompt = list(range(1, min(17, self.max_model_len)))
+        self.add_request("__warmup__", prompt, SamplingParams(temperature=0.0, max_tokens=2,
+                                                              ignore_eos=True))
+        while self.has_unfinished_requests():
+            self.step()
+        self.kv.reset_prefix_cache()
+        self.scheduler.num_preemptions = 0
+
+
+def _accelerate(model: torch.nn.Module, config: EngineConfig) -> None:
+    """Swap bf16 nn.Linear layers for the AVX-512 GEMV (kernels.dense) where it can build.
+
+    torch's batch-1 bf16 matmul reads weights at ~9 GiB/s here; the kernel streams them near
+    memory bandwidth. The swap keeps the same Parameters (tied lm_head stays tied) and falls
+    back to F.linear, with a warning, when no compiler is available. fp32 models are untouched.
+    """
+    if config.dtype != "bfloat16":
+        return
+    from kernels.dense import BuildConfig, accelerate_linears, configure
+
+    configure(BuildConfig(build_root=config.resolved_cache_dir / "torch_extensions"))
+    swapped = accelerate_linears(model)
+    log.info("kernels.dense: %d bf16 linear layers use the fast GEMV path", swapped)
+

@@ -1,0 +1,165 @@
+"""AsyncEngine: concurrent streams equal offline generation, aborts and consumer
+cancellation free blocks within a step, call_in_engine, idle without spinning, and a dead
+engine thread turns in-flight requests into ERROR outputs instead of hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from engine_helpers import random_prompts, run_engine
+
+from shared.config import EngineConfig
+from shared.engine import AsyncEngine, EngineDeadError, FinishReason, SamplingParams
+
+PROMPTS = random_prompts([4, 18, 9, 33, 2, 25], seed=21)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+
+@pytest.fixture
+async def engine(small_ckpt):
+    eng = AsyncEngine(EngineConfig(model=str(small_ckpt), kv_cache_memory_bytes=8 << 20,
+                                   num_threads=1))
+    await eng.start()
+    yield eng
+    await eng.shutdown()
+
+
+async def collect(eng: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams):
+    return [out async for out in eng.generate(rid, prompt, params)]
+
+
+async def wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def all_free(eng: AsyncEngine) -> bool:
+    s = eng.stats()
+    return s.num_free_blocks == s.num_total_blocks and s.num_running == s.num_waiting == 0
+
+
+async def test_start_exposes_model_facts(engine):
+    assert engine.healthy and len(engine.engine_id) == 32 and len(engine.fingerprint) == 64
+    assert engine.max_model_len > 0 and engine.model_config.vocab_size == 49152
+    assert engine.tokenizer.eos_token_ids and engine.model_dir.is_dir()
+    stats = engine.stats()
+    assert stats.block_size == 16 and stats.prefix_cache_queries == 0  # warm-up forgotten
+
+
+async def test_concurrent_generates_match_offline(engine, make_engine):
+    streams = await asyncio.gather(*(collect(engine, f"c{i}", p, GREEDY)
+                                     for i, p in enumerate(PROMPTS)))
+    offline = run_engine(make_engine(), PROMPTS, [GREEDY] * len(PROMPTS))
+    for i, outs in enumerate(streams):
+        final = outs[-1]
+        assert final.finished and final.finish_reason == FinishReason.LENGTH
+        assert [t for o in outs for t in o.new_token_ids] == final.token_ids
+        assert "".join(o.new_text for o in outs) == final.text
+        assert final.token_ids == offline[i].token_ids
+        m = final.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    await wait_for(lambda: all_free(engine))
+
+
+async def test_abort_frees_blocks_and_ends_the_stream(engine):
+    gen = engine.generate("a", PROMPTS[3], LONG)
+    first = await gen.__anext__()
+    assert not first.finished and engine.stats().num_running == 1
+    engine.abort("a")
+    rest = [out async for out in gen]
+    assert rest[-1].finished and rest[-1].finish_reason == FinishReason.ABORT
+    assert len(rest[-1].token_ids) < 400
+    await wait_for(lambda: all_free(engine))
+
+
+async def test_consumer_cancellation_and_early_exit_abort(engine):
+    async def consume(rid: str) -> None:
+        async for _ in engine.generate(rid, PROMPTS[1], LONG):
+            pass
+
+    task = asyncio.create_task(consume("cancelled"))
+    await wait_for(lambda: engine.stats().num_running == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_for(lambda: all_free(engine))
+    gen = engine.generate("closed", PROMPTS[1], LONG)
+    async for _ in gen:
+        break
+    await gen.aclose()
+    await wait_for(lambda: all_free(engine))
+
+
+async def test_call_in_engine_and_held_kv(engine):
+    outs = [o async for o in engine.generate("h", PROMPTS[3], GREEDY, hold_kv=True)]
+    assert outs[-1].finished
+    held = await engine.call_in_engine(lambda e: e.held_block_ids("h"))
+    assert len(held) == 3 and engine.stats().num_held_blocks == 3
+    assert await engine.call_in_engine(lambda e: e.release_held("h"))
+    await wait_for(lambda: engine.stats().num_held_blocks == 0 and all_free(engine))
+    with pytest.raises(ZeroDivisionError):
+        await engine.call_in_engine(lambda e: 1 / 0)
+    assert engine.healthy
+
+
+async def test_invalid_requests_raise(engine):
+    with pytest.raises(ValueError):
+        await collect(engine, "bad", [], GREEDY)
+    with pytest.raises(ValueError):
+        await collect(engine, "bad", [49152 + 5], GREEDY)
+    with pytest.raises(ValueError):
+        await collect(engine, "bad", [1] * engine.max_model_len, GREEDY)
+
+
+async def test_idle_engine_does_not_spin(engine):
+    inner = engine.engine
+    calls = 0
+    original = inner.step
+
+    def counting_step():
+        nonlocal calls
+        calls += 1
+        return original()
+
+    inner.step = counting_step
+    await asyncio.sleep(0.5)
+    assert calls <= 1
+
+
+async def test_dead_engine_thread_fails_requests_instead_of_hanging(engine):
+    gen = engine.generate("x", PROMPTS[0], LONG)
+    await gen.__anext__()
+
+    def boom(batch):
+        raise RuntimeError("kaboom")
+
+    engine.engine.runner.execute = boom
+    rest = [out async for out in gen]
+    assert rest[-1].finished and rest[-1].finish_reason == FinishReason.ERROR
+    assert "kaboom" in rest[-1].error
+    await wait_for(lambda: not engine.healthy)
+    with pytest.raises(EngineDeadError):
+        await collect(engine, "y", PROMPTS[0], GREEDY)
+
+
+async def test_shutdown_aborts_streams_and_refuses_new_work(small_ckpt):
+    eng = AsyncEngine(EngineConfig(model=str(small_ckpt), kv_cache_memory_bytes=8 << 20,
+                                   num_threads=1))
+    await eng.start()
+    first_id = eng.engine_id
+    gen = eng.generate("s", PROMPTS[0], LONG)
+    await gen.__anext__()
+    await eng.shutdown()
+    rest = [out async for out in gen]
+    assert rest[-1].finish_reason == FinishReason.ABORT and not eng.healthy
+    with pytest.raises(EngineDeadError):
+        await eng.call_in_engine(lambda e: 1)
+    eng.abort("s")  # never raises
+    await eng.start()  # a restart reloads and gets a new id
+    assert eng.healthy and eng.engine_id != first_id
+    await eng.shutdown()
