@@ -7,7 +7,8 @@ import logging
 import os
 import sys
 
-HELP = "Serve a model over an OpenAI-compatible HTTP API (one worker)."
+HELP = ("Serve a model over an OpenAI-compatible HTTP API (one worker: mixed, or the "
+        "prefill/decode side of a disaggregated mesh with its KV-transfer service).")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

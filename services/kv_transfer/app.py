@@ -8,8 +8,8 @@ known to the service (it goes into kv_transfer_params) before anything starts.
 
 Dispatch is by route; each handler names its message class. Every POST body is an envelope
 (shared.protocol.codec.seal): `_open` compares the compat hash first, then decodes the message;
-every route but the handshake also requires the caller's engine id to have completed a
-handshake. Replies are msgpack messages; errors are the OpenAI envelope
+every route but the handshake and the release also requires the caller's engine id to have
+completed a handshake. Replies are msgpack messages; errors are the OpenAI envelope
 (services.common.errors.error_middleware).
 """
 
@@ -54,20 +54,26 @@ def reply(msg: Message) -> web.Response:
     return web.Response(body=encode(msg), content_type="application/msgpack")
 
 
+async def _envelope(request: web.Request) -> EnvelopeReader:
+    try:
+        return EnvelopeReader(await request.read())
+    except ProtocolError as exc:
+        raise BadRequestError(f"not a KV envelope: {exc}", code="kv_bad_envelope") from None
+
+
+def _message(reader: EnvelopeReader, cls: type[M]) -> M:
+    try:
+        return reader.message(cls)
+    except ProtocolError as exc:
+        raise BadRequestError(f"bad {cls.TAG} message: {exc}", code="kv_bad_message") from None
+
+
 async def _open(request: web.Request, cls: type[M],
                 pairing: bool) -> tuple[KVTransferService, M, EnvelopeReader]:
     service = request.app[SERVICE_KEY]
-    body = await request.read()
-    try:
-        reader = EnvelopeReader(body)
-    except ProtocolError as exc:
-        raise BadRequestError(f"not a KV envelope: {exc}", code="kv_bad_envelope") from None
+    reader = await _envelope(request)
     check_hash(service.identity, reader, service.config.allow_incompatible, pairing)
-    try:
-        msg = reader.message(cls)
-    except ProtocolError as exc:
-        raise BadRequestError(f"bad {cls.TAG} message: {exc}", code="kv_bad_message") from None
-    return service, msg, reader
+    return service, _message(reader, cls), reader
 
 
 async def _open_peer(request: web.Request,
@@ -117,7 +123,11 @@ async def pull(request: web.Request) -> web.StreamResponse:
 
 @routes.post("/kv/v1/release")
 async def release(request: web.Request) -> web.Response:
-    service, msg, _ = await _open_peer(request, ReleaseRequest)
+    """Needs neither a handshake nor a matching hash: a release only frees blocks, and the
+    lease id it names is the capability. So a decode that refused (or was refused by) this
+    prefill as incompatible still frees the blocks at once instead of waiting out the lease."""
+    service = request.app[SERVICE_KEY]
+    msg = _message(await _envelope(request), ReleaseRequest)
     return reply(_pull(service).source.release(msg))
 
 

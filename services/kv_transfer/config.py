@@ -77,12 +77,18 @@ class KVTransferConfig:
     def reap_interval_s(self) -> float:
         return min(1.0, self.lease_seconds / 10)
 
+    @property
+    def reclaim_deadline_s(self) -> float:
+        """How long a decode request may wait for remote KV before its slot is reclaimed:
+        longer than both the lease and the push rendezvous, so it never fires first."""
+        return self.lease_seconds + self.push_deadline_seconds
+
     @classmethod
     def from_args(cls, args: argparse.Namespace, role: str,
                   environ: Mapping[str, str]) -> KVTransferConfig:
         secret = environ.get(KV_SECRET_ENV, "")
         return cls(
-            role=role, mode=args.kv_mode, host=args.kv_host, port=args.kv_port,
+            role=role, mode=args.transfer_mode, host=args.kv_host, port=args.kv_port,
             advertise_host=args.kv_advertise_host, lease_seconds=args.kv_lease_seconds,
             push_deadline_seconds=args.kv_push_deadline_seconds,
             secret=secret.encode() if secret else None,
@@ -98,7 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-port", type=int, default=d.port, help="KV service port")
     g.add_argument("--kv-advertise-host", default=None,
                    help="host put in kv_transfer_params (default: --kv-host)")
-    g.add_argument("--kv-mode", default=d.mode, choices=TRANSFER_MODES, help="transfer mode")
+    g.add_argument("--transfer-mode", "--kv-mode", dest="transfer_mode", default=d.mode,
+                   choices=TRANSFER_MODES, help="KV transfer mode (part of the compat hash)")
     g.add_argument("--kv-lease-seconds", type=float, default=d.lease_seconds,
                    help="how long a prefill holds finished KV blocks without a heartbeat")
     g.add_argument("--kv-push-deadline-seconds", type=float, default=d.push_deadline_seconds)

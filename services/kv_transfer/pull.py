@@ -57,7 +57,7 @@ class PullSource:
         self.leases = LeaseTable(cfg.lease_seconds, cfg.lease_extension_s, ctx.clock)
 
     async def offer(self, request_id: str, block_ids: list[int], num_tokens: int,
-                    first_token: TokenLogprobWire) -> KVTransferParams:
+                    first_token: TokenLogprobWire, prompt_digest: str = "") -> KVTransferParams:
         """Lease a finished prompt's held blocks; on any failure they are released at once
         (except when `request_id` already has a lease: those blocks stay with that lease)."""
         ctx, geo = self.ctx, self.ctx.geometry
@@ -82,7 +82,7 @@ class PullSource:
             remote_port=node.kv_port, remote_request_id=request_id, lease_id=lease.lease_id,
             block_ids=list(block_ids), num_tokens=num_tokens, block_size=geo.block_size,
             first_token=first_token, digests=digests, compat_hash=ctx.identity.compat_hash,
-            lease_expiry=time.time() + (lease.expires - ctx.clock()),
+            lease_expiry=time.time() + (lease.expires - ctx.clock()), prompt_digest=prompt_digest,
         )
 
     def _end(self, request_id: str, state: LeaseState, lease_id: str | None = None) -> bool:
@@ -100,9 +100,10 @@ class PullSource:
         self.ctx.detach(self.ctx.store.release_held(lease.request_id),
                         f"release {lease.request_id}")
 
-    def abort(self, request_id: str) -> bool:
-        """The request was aborted: end its lease now. Harmless if already released."""
-        return self._end(request_id, LeaseState.RELEASED)
+    def abort(self, request_id: str, lease_id: str | None = None) -> bool:
+        """The request was aborted: end its lease now (only if it is `lease_id`, when given).
+        Harmless if already released."""
+        return self._end(request_id, LeaseState.RELEASED, lease_id)
 
     def release(self, msg: ReleaseRequest) -> ReleaseResult:
         self._end(msg.remote_request_id, LeaseState.RELEASED, msg.lease_id)
@@ -180,11 +181,12 @@ class PullTransfer(KVTransfer):
         self.sink = PullSink(ctx, self.mode)
 
     async def offer(self, request_id: str, block_ids: list[int], num_tokens: int,
-                    first_token: TokenLogprobWire) -> KVTransferParams:
-        return await self.source.offer(request_id, block_ids, num_tokens, first_token)
+                    first_token: TokenLogprobWire, prompt_digest: str = "") -> KVTransferParams:
+        return await self.source.offer(request_id, block_ids, num_tokens, first_token,
+                                       prompt_digest)
 
-    def abort(self, request_id: str) -> bool:
-        return self.source.abort(request_id)
+    def abort(self, request_id: str, lease_id: str | None = None) -> bool:
+        return self.source.abort(request_id, lease_id)
 
     async def fetch(self, params: KVTransferParams) -> PulledKV:
         return await self.sink.fetch(params)
@@ -195,6 +197,11 @@ class PullTransfer(KVTransfer):
 
     def untrack(self, params: KVTransferParams) -> None:
         self.sink.heartbeats.untrack(*self.sink.lease_key(params))
+
+    def decline(self, params: KVTransferParams) -> None:
+        """The decode gives up a request before pulling it: tell the prefill to release its
+        lease now (in the background; its lease expires anyway if the prefill is unreachable)."""
+        self.ctx.detach(self.sink.release(params), "release declined lease")
 
     async def start(self) -> None:
         self.sink.heartbeats.start(self.ctx.peers)

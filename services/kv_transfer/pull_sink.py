@@ -111,7 +111,7 @@ class PullSink:
     def _finish(self, key: tuple[tuple[str, str], LeaseRef], params: KVTransferParams) -> None:
         """Stop heartbeating and tell the prefill to release, on every path (in background)."""
         self.heartbeats.untrack(*key)
-        self.ctx.detach(self._release(params.remote_address, params), "release remote lease")
+        self.ctx.detach(self.release(params), "release remote lease")
 
     async def _pull(self, address: str, params: KVTransferParams, local: list[int]) -> int:
         ctx = self.ctx
@@ -147,8 +147,12 @@ class PullSink:
         sink.verify(params.digests)
         return sink.num_bytes
 
-    async def _release(self, address: str, params: KVTransferParams) -> None:
-        """Tell the prefill to free its blocks; best effort (its lease expires otherwise)."""
+    async def release(self, params: KVTransferParams) -> None:
+        """Tell the prefill to free its blocks; best effort (its lease expires otherwise).
+
+        Release needs no handshake and no matching hash on the prefill (the lease id is the
+        capability), so even a decode that was refused as incompatible frees the prefill."""
+        address = params.remote_address
         msg = ReleaseRequest(self.ctx.identity.node.engine_id, params.remote_request_id,
                              params.lease_id)
         try:

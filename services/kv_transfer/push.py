@@ -19,6 +19,7 @@ that already gave up.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from typing import ClassVar, Generic, TypeVar
 
 from services.common.errors import ApiError
 from services.kv_transfer.blocks import iter_chunks
-from services.kv_transfer.errors import ConflictError, GatewayTimeoutError, PeerError
+from services.kv_transfer.errors import ConflictError, GatewayTimeoutError, GoneError, PeerError
 from services.kv_transfer.push_receive import PushReceiver
 from services.kv_transfer.transfer import KVContext, KVTransfer, PulledKV
 from shared.protocol.messages import (
@@ -38,6 +39,8 @@ from shared.protocol.messages import (
     TokenLogprobWire,
 )
 from shared.protocol.tensors import RowDigester
+
+log = logging.getLogger("pdmesh.kv_transfer")
 
 
 class PushTransfer(KVTransfer):
@@ -61,6 +64,17 @@ class PushTransfer(KVTransfer):
         return await self.receiver.receive(transfer_id, prefill_address, num_tokens,
                                            prefill_engine_id)
 
+    def decline_send(self, transfer_id: str, reason: str) -> None:
+        """The prefill leg failed before `send`: tell the decode that registers (or already
+        registered) `transfer_id` at once, instead of letting it wait out the deadline."""
+        self.ctx.detach(self.sender.decline(transfer_id, reason), "decline push send")
+
+    def decline_receive(self, transfer_id: str, prefill_address: str,
+                        prefill_engine_id: str | None, reason: str) -> None:
+        """The decode leg failed before `receive`: fail the prefill's wait for a registration."""
+        self.ctx.detach(self.receiver.decline(transfer_id, prefill_address, prefill_engine_id,
+                                              reason), "decline push receive")
+
     def on_abort(self, msg: PushAbort) -> Ack:
         """The other leg gave up: a decode's abort fails the prefill's registration (or its
         wait for one); a prefill's abort fails the decode's open slot."""
@@ -70,6 +84,11 @@ class PushTransfer(KVTransfer):
 
     def reap(self) -> None:
         self.sender.registrations.reap()
+
+    async def close(self) -> None:
+        # Senders (and declines) waiting for a registration give up now, not at the deadline.
+        self.sender.registrations.close(GoneError("the KV service is shutting down",
+                                                  code="kv_shutting_down"))
 
     @property
     def held_blocks(self) -> int:
@@ -133,6 +152,16 @@ class PushSender:
             await ctx.settle(ctx.store.release_held(request_id), f"release {request_id}")
         ctx.metrics.observe(self.mode, "send", time.perf_counter() - start, nbytes)
         return nbytes
+
+    async def decline(self, transfer_id: str, reason: str) -> None:
+        """Wait (bounded) for the decode of `transfer_id` and tell it this prefill gave up.
+        A decode that never comes, or already gave up itself, is the expected quiet end."""
+        try:
+            reg = await self.registrations.take(transfer_id, self.ctx.config.push_deadline_seconds)
+            await self.ctx.peers.connect(f"{reg.kv_host}:{reg.kv_port}", reg.engine_id)
+            await self._notify_abort(reg, reason)
+        except ApiError as exc:
+            log.debug("declined push %s ended: %s", transfer_id, exc.message)
 
     async def _write_all(self, address: str, transfer_id: str,
                          block_ids: list[int]) -> tuple[int, list[str]]:
@@ -216,6 +245,17 @@ class Rendezvous(Generic[V]):
                                       f"{timeout:.1f}s", code="kv_push_deadline") from None
         finally:
             if self._slots.get(key) is slot:
+                del self._slots[key]
+
+    def close(self, exc: BaseException) -> None:
+        """Fail every slot: current takers raise `exc` at once; untaken offers are dropped."""
+        for key in list(self._slots):
+            slot = self._slots[key]
+            if slot.waiting:
+                if not slot.future.done():
+                    slot.future.set_exception(exc)
+                    slot.future.exception()
+            else:
                 del self._slots[key]
 
     def reap(self) -> int:

@@ -67,6 +67,7 @@ class PushReceiver:
         if slot is not None and slot.prefill_engine_id == msg.engine_id and not slot.done.done():
             slot.done.set_exception(PeerError(
                 502, f"prefill aborted transfer {msg.transfer_id}: {msg.reason}", "kv_push_aborted"))
+            slot.done.exception()  # retrieved: the receiver may be gone already (cancelled)
         return Ack()
 
     async def receive(self, transfer_id: str, prefill_address: str, num_tokens: int,
@@ -121,6 +122,11 @@ class PushReceiver:
                                 code="kv_push_shape_mismatch")
         slot.sink.verify(done.digests)
         return done
+
+    async def decline(self, transfer_id: str, address: str, engine_id: str | None,
+                      reason: str) -> None:
+        await self.ctx.peers.connect(address, engine_id)
+        await self._notify_abort(address, transfer_id, reason)
 
     async def _notify_abort(self, address: str, transfer_id: str, reason: str) -> None:
         msg = PushAbort(self.ctx.identity.node.engine_id, transfer_id, reason[:500])

@@ -17,6 +17,7 @@ allocations). A worker builds the latter as
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -191,11 +192,16 @@ class EngineCaller(Protocol):
 
 
 class EngineBlockStore:
-    """The KVBlockStore protocol (services.kv_transfer.store) for a running engine."""
+    """The KVBlockStore protocol (services.kv_transfer.store) for a running engine.
+
+    `allocate` is cancellation-safe: the engine allocates on its own thread whatever happens to
+    the caller, so blocks allocated for a caller cancelled meanwhile are freed on arrival.
+    """
 
     def __init__(self, engine: EngineCaller, kv_cache: torch.Tensor) -> None:
         self._engine = engine
         self._kv = kv_cache
+        self._orphans: set[asyncio.Task] = set()
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -205,7 +211,19 @@ class EngineBlockStore:
         def hook(e: EngineKVHooks) -> list[int] | None:
             return e.allocate_blocks(num_tokens)
 
-        return await self._engine.call_in_engine(hook)
+        call = asyncio.ensure_future(self._engine.call_in_engine(hook))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(self._free_orphan)
+            raise
+
+    def _free_orphan(self, call: asyncio.Future[list[int] | None]) -> None:
+        if call.cancelled() or call.exception() is not None or not call.result():
+            return
+        task = asyncio.ensure_future(self.free(call.result() or []))
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
 
     async def free(self, block_ids: list[int]) -> None:
         ids = list(block_ids)

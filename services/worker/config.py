@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from services.common.units import parse_size
+from services.kv_transfer.config import KVTransferConfig
+from services.kv_transfer.config import add_arguments as add_kv_arguments
 from shared.config import DEFAULT_MODEL, EngineConfig
 
 API_KEY_ENV = "PDMESH_API_KEY"
@@ -19,14 +21,23 @@ DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
 
 
 class WorkerRole(StrEnum):
-    """What part of a request a worker serves; prefill/decode arrive with KV transfer."""
+    """What part of a request a worker serves. Prefill and decode workers run a KV-transfer
+    service next to the API; every role still serves plain requests on its own."""
 
     MIXED = "mixed"
     PREFILL = "prefill"
     DECODE = "decode"
 
 
-SUPPORTED_ROLES = (WorkerRole.MIXED,)
+SUPPORTED_ROLES = tuple(WorkerRole)
+
+
+class KVLoadFailurePolicy(StrEnum):
+    """What a decode does when the remote KV cannot be loaded: answer with an error (the
+    default), or compute the prompt itself."""
+
+    FAIL = "fail"
+    RECOMPUTE = "recompute"
 
 
 @dataclass(frozen=True)
@@ -36,7 +47,8 @@ class WorkerConfig:
     `max_queue` bounds admission: at most `engine.max_num_seqs + max_queue` engine sequences
     (an n=4 request counts 4) may be in flight; beyond that requests get 429.
     `served_model_names` are the names clients may send as `model` (empty: `engine.model`);
-    the first one is reported back in responses.
+    the first one is reported back in responses. `kv` is the KV-transfer service of a prefill
+    or decode worker (None for mixed); its role always equals `role`.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -48,10 +60,16 @@ class WorkerConfig:
     max_queue: int = 256
     drain_grace_seconds: float = 30.0
     served_model_names: tuple[str, ...] = ()
+    kv: KVTransferConfig | None = None
+    kv_load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.FAIL
 
     def __post_init__(self) -> None:
-        if self.role not in SUPPORTED_ROLES:
-            raise ValueError(f"role {self.role.value!r} is not supported yet (only 'mixed')")
+        if (self.kv is None) != (self.role is WorkerRole.MIXED):
+            need = "needs" if self.kv is None else "has no"
+            raise ValueError(f"a {self.role.value} worker {need} KV-transfer settings")
+        if self.kv is not None and self.kv.role != self.role.value:
+            raise ValueError(f"KV role {self.kv.role!r} differs from the worker role "
+                             f"{self.role.value!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_size < 1024:
@@ -75,9 +93,14 @@ class WorkerConfig:
     def admission_capacity(self) -> int:
         return self.engine.max_num_seqs + self.max_queue
 
+    @property
+    def transfer_mode(self) -> str | None:
+        return self.kv.mode if self.kv is not None else None
+
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str]) -> WorkerConfig:
-        """Flags win; `PDMESH_API_KEY` (comma separated) is used only when no --api-key is given."""
+        """Flags win; `PDMESH_API_KEY` (comma separated) is used only when no --api-key is given.
+        `PDMESH_KV_SECRET` is read by KVTransferConfig.from_args from the same mapping."""
         keys = tuple(args.api_key or ())
         if not keys:
             keys = tuple(k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip())
@@ -95,9 +118,13 @@ class WorkerConfig:
             quantization=args.quantization,
             seed=args.seed,
         )
+        role = WorkerRole(args.role)
+        kv = None if role is WorkerRole.MIXED else KVTransferConfig.from_args(args, role.value, environ)
         return cls(
             engine=engine,
-            role=WorkerRole(args.role),
+            role=role,
+            kv=kv,
+            kv_load_failure_policy=KVLoadFailurePolicy(args.kv_load_failure_policy),
             host=args.host,
             port=args.port,
             api_keys=keys,
@@ -114,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w = WorkerConfig()
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model name, HF directory or GGUF file")
     parser.add_argument("--role", default="mixed", choices=[r.value for r in WorkerRole],
-                        help="worker role (only 'mixed' for now)")
+                        help="mixed (whole requests), prefill or decode (P/D legs + KV service)")
     parser.add_argument("--host", default=w.host)
     parser.add_argument("--port", type=int, default=w.port)
     parser.add_argument("--served-model-name", nargs="+", default=None,
@@ -137,3 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     eng.add_argument("--quantization", default=None, choices=["mxfp4"])
     eng.add_argument("--seed", type=int, default=d.seed)
+    add_kv_arguments(parser)
+    parser.add_argument("--kv-load-failure-policy", default=KVLoadFailurePolicy.FAIL.value,
+                        choices=[p.value for p in KVLoadFailurePolicy],
+                        help="decode: error out (fail) or recompute the prompt when the "
+                             "remote KV cannot be loaded")

@@ -6,11 +6,13 @@ Written as a Protocol so tests can serve a deterministic fake engine through the
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from shared.config import EngineConfig
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 
 class TokenizerLike(Protocol):
@@ -41,7 +43,9 @@ class EngineClient(Protocol):
     """An engine that runs on its own thread and streams `RequestOutput`s to asyncio.
 
     Leaving a `generate` iterator early (or calling `abort`) frees the request's KV blocks
-    within one engine step.
+    within one engine step. `generate`'s keywords go to `LLMEngine.add_request` (the P/D legs
+    use `hold_kv` and `wait_for_remote_kv`); `call_in_engine(fn)` runs `fn(LLMEngine)` on the
+    engine thread between steps (P/D only; a mixed worker never calls either).
     """
 
     tokenizer: TokenizerLike
@@ -59,8 +63,10 @@ class EngineClient(Protocol):
     async def shutdown(self) -> None: ...
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **kw: Any
     ) -> AsyncIterator[RequestOutput]: ...
+
+    async def call_in_engine(self, fn: Callable[[Any], T]) -> T: ...
 
     def abort(self, request_id: str) -> None: ...
 

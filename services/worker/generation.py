@@ -2,18 +2,20 @@
 
 One HTTP request becomes `len(prompts) * n` engine requests ("choices"), each with its own
 id and `SamplingParams.for_choice(i)`. Their streams are merged into one async iterator of
-(choice, output). Leaving the iterator early (client gone, error, cancellation) closes every
-engine stream and aborts the requests that had not finished, so their KV blocks are freed
-within one engine step.
+(choice, output). Leaving `running_choices` early (client gone, error, cancellation) closes
+every engine stream and aborts the requests that had not finished, so their KV blocks are
+freed within one engine step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from services.common.errors import (
     ApiError,
@@ -61,12 +63,14 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     started: bool = False  # streaming: the first chunk (role / echo) was sent
     text_offset: int = 0  # completions logprobs: offset of the next token in the text
 
     def update(self, out: RequestOutput) -> None:
         self.token_ids = out.token_ids
         self.text = out.text
+        self.num_cached_tokens = out.num_cached_tokens
         if out.new_logprobs:
             self.logprobs.extend(out.new_logprobs)
         if out.finished:
@@ -96,9 +100,13 @@ class _StreamEnd:
     """Queue sentinel: one choice's stream ended."""
 
 
-async def _pump(engine: EngineClient, job: ChoiceJob, prompt_ids: list[int],
-                queue: asyncio.Queue[tuple[ChoiceJob, RequestOutput | BaseException | _StreamEnd]]) -> None:
-    stream = engine.generate(job.engine_request_id, prompt_ids, job.params)
+# What the pumps hand the merger: an output, the exception that ended a stream, or its end.
+Outputs = asyncio.Queue[tuple[ChoiceJob, RequestOutput | BaseException | _StreamEnd]]
+
+
+async def _pump(engine: EngineClient, job: ChoiceJob, prompt_ids: list[int], queue: Outputs,
+                kwargs: dict[str, Any]) -> None:
+    stream = engine.generate(job.engine_request_id, prompt_ids, job.params, **kwargs)
     try:
         async for out in stream:
             await queue.put((job, out))
@@ -112,32 +120,26 @@ async def _pump(engine: EngineClient, job: ChoiceJob, prompt_ids: list[int],
     await queue.put((job, _StreamEnd()))
 
 
-async def run_choices(engine: EngineClient, jobs: list[ChoiceJob],
-                      prompts: list[PreparedPrompt]) -> AsyncIterator[tuple[ChoiceJob, RequestOutput]]:
-    """Yield (job, output) as the engine produces them, until every choice has finished.
+@contextlib.asynccontextmanager
+async def running_choices(engine: EngineClient, jobs: list[ChoiceJob],
+                          prompts: list[PreparedPrompt], kwargs: dict[str, Any] | None = None,
+                          ) -> AsyncIterator[AsyncIterator[tuple[ChoiceJob, RequestOutput]]]:
+    """Start every choice on the engine; yields an iterator of (job, output) as the engine
+    produces them, until every choice has finished.
 
-    Use under `contextlib.aclosing` so an early exit aborts the engine requests at once.
+    The engine requests exist once this is entered (each pump's first step submits its request
+    before the body runs), so a decode leg can hand its KV to them right away. `kwargs` go to
+    every `engine.generate` call (P/D: hold_kv, wait_for_remote_kv). Leaving, however early,
+    aborts the unfinished requests at once, which frees their KV blocks.
     """
-    queue: asyncio.Queue[tuple[ChoiceJob, RequestOutput | BaseException | _StreamEnd]] = asyncio.Queue()
-    tasks = [asyncio.create_task(_pump(engine, job, prompts[job.prompt_index].token_ids, queue))
+    queue: Outputs = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(engine, job, prompts[job.prompt_index].token_ids, queue,
+                                       kwargs or {}))
              for job in jobs]
     unfinished = {job.engine_request_id for job in jobs}
-    open_streams = len(jobs)
     try:
-        while open_streams:
-            job, item = await queue.get()
-            if isinstance(item, _StreamEnd):
-                open_streams -= 1
-                if job.engine_request_id in unfinished:
-                    raise _engine_failure(engine, None, f"stream of choice {job.index} ended early")
-                continue
-            if isinstance(item, BaseException):
-                raise _engine_failure(engine, item, str(item)) from item
-            if item.error is not None:
-                raise _engine_failure(engine, None, item.error)
-            if item.finished:
-                unfinished.discard(job.engine_request_id)
-            yield job, item
+        await asyncio.sleep(0)  # every pump runs up to its first await: requests submitted
+        yield _merged(engine, queue, unfinished, len(jobs))
     finally:
         # Abort first: it is synchronous, so it happens even if we are cancelled again below.
         for request_id in unfinished:
@@ -148,3 +150,21 @@ async def run_choices(engine: EngineClient, jobs: list[ChoiceJob],
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _merged(engine: EngineClient, queue: Outputs, unfinished: set[str], open_streams: int,
+                  ) -> AsyncIterator[tuple[ChoiceJob, RequestOutput]]:
+    while open_streams:
+        job, item = await queue.get()
+        if isinstance(item, _StreamEnd):
+            open_streams -= 1
+            if job.engine_request_id in unfinished:
+                raise _engine_failure(engine, None, f"stream of choice {job.index} ended early")
+            continue
+        if isinstance(item, BaseException):
+            raise _engine_failure(engine, item, str(item)) from item
+        if item.error is not None:
+            raise _engine_failure(engine, None, item.error)
+        if item.finished:
+            unfinished.discard(job.engine_request_id)
+        yield job, item

@@ -1,19 +1,27 @@
 """The worker's self-description (GET /v1/metadata), built in one place.
 
-Routers use it to register and place workers; the KV-transfer issue adds its fields here
-(transfer mode, KV address, compatibility hash).
+Routers use it to register, pair and place workers. A prefill or decode worker adds its KV
+side (`KVLink.metadata`): compat_hash, compat_factors, transfer_mode, the KV address; a mixed
+worker reports those as null (it never exchanges KV). `engine_id` is also the KV service's
+engine id. `kv_cache.num_held_blocks` counts blocks the engine keeps for a peer.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient
 
+if TYPE_CHECKING:
+    from services.worker.kv_link import KVLink
 
-def build_metadata(config: WorkerConfig, engine: EngineClient, in_flight: int) -> dict[str, Any]:
+
+def build_metadata(config: WorkerConfig, engine: EngineClient, in_flight: int,
+                   kv_link: KVLink | None = None) -> dict[str, Any]:
     stats = engine.stats()
+    kv = kv_link.metadata() if kv_link is not None else {
+        "compat_hash": None, "compat_factors": None, "transfer_mode": None}
     return {
         "role": config.role.value,
         "engine_id": engine.engine_id,
@@ -33,6 +41,7 @@ def build_metadata(config: WorkerConfig, engine: EngineClient, in_flight: int) -
             "num_used_blocks": stats.num_total_blocks - stats.num_free_blocks,
             "usage": stats.kv_usage,
             "capacity_tokens": stats.num_total_blocks * stats.block_size,
+            "num_held_blocks": getattr(stats, "num_held_blocks", 0),
         },
         "load": {
             "num_running": stats.num_running,
@@ -40,4 +49,5 @@ def build_metadata(config: WorkerConfig, engine: EngineClient, in_flight: int) -
             "admitted_sequences": in_flight,
         },
         "prefix_caching": config.engine.enable_prefix_caching,
+        **kv,
     }

@@ -32,13 +32,30 @@ def _service(request: web.Request) -> GenerationService:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    req = parse_completion_request(await read_json_object(request))
-    return await _service(request).completion(request, req)
+    body = await read_json_object(request)
+    service = _service(request)
+    with service.leg(body) as leg:  # parsed first: a leg refused for any reason is let go
+        req = parse_completion_request(body)
+        return await service.completion(request, req, leg)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    req = parse_chat_request(await read_json_object(request))
-    return await _service(request).chat(request, req)
+    body = await read_json_object(request)
+    service = _service(request)
+    with service.leg(body) as leg:
+        req = parse_chat_request(body)
+        return await service.chat(request, req, leg)
+
+
+async def kv_transfer_abort(request: web.Request) -> web.Response:
+    """POST /v1/kv_transfer/abort {"kv_transfer_params": <what this prefill returned>}: the
+    client left between the legs, so the dispatcher frees the prefill's lease now."""
+    body = await read_json_object(request)
+    handoff = _service(request).handoff
+    if handoff is None:
+        raise BadRequestError("this worker has no KV-transfer service (role mixed)",
+                              code="kv_wrong_role")
+    return json_response({"released": handoff.abort_offer(body.get("kv_transfer_params"))})
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -103,13 +120,15 @@ async def health(request: web.Request) -> web.Response:
 async def metadata(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME_KEY]
     service = _service(request)
-    return json_response(build_metadata(runtime.config, service.engine, runtime.admission.active))
+    return json_response(build_metadata(runtime.config, service.engine, runtime.admission.active,
+                                        runtime.kv_link))
 
 
 def routes(runtime: WorkerRuntime) -> list[web.AbstractRouteDef]:
     return [
         web.post("/v1/completions", completions),
         web.post("/v1/chat/completions", chat_completions),
+        web.post("/v1/kv_transfer/abort", kv_transfer_abort),
         web.get("/v1/models", list_models),
         web.get("/v1/metadata", metadata),
         web.post("/tokenize", tokenize),

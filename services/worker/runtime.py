@@ -3,19 +3,25 @@
 The app starts listening before the model is loaded so `/health` can answer 503 while it
 loads; `load` runs as a background task owned by the app's `cleanup_ctx`, and flips the
 lifecycle to READY once the engine has loaded and warmed up (`AsyncEngine.start` does both,
-off the event loop).
+off the event loop) and, on a prefill or decode worker, its KV-transfer service listens.
+`close` stops the KV service first: closing it releases held leases through the engine.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from services.common.lifecycle import Lifecycle
 from services.worker.admission import AdmissionControl
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient, EngineFactory
+from services.worker.handoff import Handoff
 from services.worker.metrics import WorkerMetrics
 from services.worker.serving import GenerationService
+
+if TYPE_CHECKING:
+    from services.worker.kv_link import KVLink
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +39,7 @@ class WorkerRuntime:
         self._owned: EngineClient | None = None  # set as soon as built, for shutdown
         self.engine: EngineClient | None = None
         self.service: GenerationService | None = None
+        self.kv_link: KVLink | None = None
         self.metrics = WorkerMetrics(config.served_model_name, lambda: self.engine)
         self.admission = AdmissionControl(config.admission_capacity)
 
@@ -41,12 +48,21 @@ class WorkerRuntime:
         engine = self._factory(self.config.engine)  # cheap: start() does the loading
         self._owned = engine
         await engine.start()  # loads off the event loop and runs the engine's warm-up step
+        handoff = None
+        if self.config.kv is not None:
+            from services.worker.kv_link import KVLink  # torch: prefill/decode workers only
+
+            self.kv_link = await KVLink.start(self.config, engine, self.metrics.registry)
+            handoff = Handoff(engine, self.kv_link, self.config)
         self.engine = engine
-        self.service = GenerationService(engine, self.config, self.metrics, self.admission)
+        self.service = GenerationService(engine, self.config, self.metrics, self.admission, handoff)
         lifecycle.mark_ready()
         log.info("model %s ready (max_model_len %d)", self.config.engine.model, engine.max_model_len)
 
     async def close(self) -> None:
         engine, self._owned, self.engine, self.service = self._owned, None, None, None
+        link, self.kv_link = self.kv_link, None
+        if link is not None:
+            await link.close()
         if engine is not None:
             await engine.shutdown()

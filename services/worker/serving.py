@@ -5,20 +5,28 @@
 either one JSON body or an SSE stream. A client that disconnects cancels the handler (the
 runner enables aiohttp's handler cancellation), which closes the merged engine stream and
 aborts every unfinished choice.
+
+On a prefill or decode worker a request may be a P/D leg (`kv_transfer_params`, see
+`kv_params.py`): the prefill leg runs one token with its KV held and answers the usual body
+plus top-level `kv_transfer_params`; the decode leg loads the KV (before any response byte,
+so a failure is a plain HTTP error) and answers the whole completion, starting with the
+prefill's first token. `Handoff` (handoff.py) does the KV side of both.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 from aiohttp import web
 
-from services.common.errors import NotFoundError
-from services.common.json_body import json_response
+from services.common.errors import InternalServerError, NotFoundError
+from services.common.json_body import dumps, json_response
 from services.worker.admission import AdmissionControl
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient
@@ -28,11 +36,18 @@ from services.worker.generation import (
     EndpointKind,
     EngineRequestError,
     PreparedPrompt,
-    run_choices,
+    running_choices,
 )
+from services.worker.handoff import Handoff, LegState, wire_logprob
+from services.worker.kv_params import parse_kv_transfer_params
 from services.worker.logprobs import LogprobFormatter
 from services.worker.metrics import ChoiceTimer, WorkerMetrics
-from services.worker.openai_protocol import ChatRequest, CommonFields, CompletionRequest
+from services.worker.openai_protocol import (
+    ChatRequest,
+    CommonFields,
+    CompletionRequest,
+    SamplingFields,
+)
 from services.worker.prompts import PromptBuilder
 from services.worker.responses import ResponseBuilder, ResponseSpec
 from services.worker.streaming import SseWriter
@@ -42,17 +57,19 @@ from shared.engine.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 Events = AsyncIterator[tuple[ChoiceJob, RequestOutput]]
+PHASES_HEADER = "x-pdmesh-phases"  # what the decode leg reports to the router
 
 
 class GenerationService:
     """The completions and chat endpoints' logic, bound to one loaded engine."""
 
     def __init__(self, engine: EngineClient, config: WorkerConfig, metrics: WorkerMetrics,
-                 admission: AdmissionControl) -> None:
+                 admission: AdmissionControl, handoff: Handoff | None = None) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics
         self.admission = admission
+        self.handoff = handoff  # None on a mixed worker, which ignores kv_transfer_params
         self.prompts = PromptBuilder(engine)
         self.formatter = LogprobFormatter(engine.tokenizer)
         self.system_fingerprint = f"pdmesh-{engine.fingerprint[:16]}"
@@ -66,6 +83,40 @@ class GenerationService:
             raise NotFoundError(f"The model '{name}' does not exist. Available: {', '.join(names)}",
                                 param="model", code="model_not_found")
         return name
+
+    @contextlib.contextmanager
+    def leg(self, body: dict[str, Any]) -> Iterator[LegState | None]:
+        """The request's P/D leg, if any, for the duration of its handling.
+
+        Whatever fails before the KV transfer started (a bad field, an unknown model, 429...)
+        frees the leg's resources on both sides at once: a decode that refuses a request
+        still releases the prefill's lease.
+        """
+        if self.handoff is None:
+            yield None
+            return
+        leg = parse_kv_transfer_params(body.get("kv_transfer_params"))
+        if leg is None:
+            yield None
+            return
+        state = LegState(leg)
+        self.handoff.arrive(state)
+        try:
+            yield state
+        except BaseException as exc:
+            self.handoff.abandon(state, str(exc) or type(exc).__name__)
+            raise
+        finally:
+            self.handoff.leave(state)
+
+    @staticmethod
+    def _leg_sampling(leg: LegState | None, sampling: SamplingFields,
+                      max_tokens: int | None) -> tuple[SamplingFields, int | None]:
+        """A prefill leg samples exactly the first token: max_tokens 1, and min_tokens only
+        as far as it concerns that token (so EOS is banned there exactly as in one piece)."""
+        if leg is None or not leg.is_prefill:
+            return sampling, max_tokens
+        return dataclasses.replace(sampling, min_tokens=min(sampling.min_tokens, 1)), 1
 
     def _spec(self, kind: EndpointKind, common: CommonFields, model: str,
               prompts: list[PreparedPrompt], logprobs: int | None, echo: bool) -> ResponseSpec:
@@ -84,51 +135,83 @@ class GenerationService:
                           params=params[p].for_choice(i))
                 for p in range(len(params)) for i in range(n)]
 
-    async def completion(self, request: web.Request, req: CompletionRequest) -> web.StreamResponse:
+    async def completion(self, request: web.Request, req: CompletionRequest,
+                         leg: LegState | None = None) -> web.StreamResponse:
         arrival = time.monotonic()
         model = self.resolve_model(req.common.model)
         prompts = [self.prompts.completion_prompt(p, need_text=req.echo) for p in req.prompts]
+        sampling, wanted = self._leg_sampling(leg, req.common.sampling, req.max_tokens)
         params = []
         for prompt in prompts:
-            max_tokens = self.prompts.max_tokens_for(len(prompt.token_ids), req.max_tokens,
+            max_tokens = self.prompts.max_tokens_for(len(prompt.token_ids), wanted,
                                                      "prompt", "max_tokens")
-            params.append(self.prompts.sampling_params(req.common.sampling, max_tokens, req.logprobs, {}))
+            params.append(self.prompts.sampling_params(sampling, max_tokens, req.logprobs, {}))
         spec = self._spec(EndpointKind.COMPLETION, req.common, model, prompts, req.logprobs, req.echo)
         jobs = self._jobs(spec, params, req.common.sampling.n)
-        return await self._execute(request, spec, jobs, req.common.stream, arrival)
+        return await self._execute(request, spec, jobs, req.common.stream, arrival, leg)
 
-    async def chat(self, request: web.Request, req: ChatRequest) -> web.StreamResponse:
+    async def chat(self, request: web.Request, req: ChatRequest,
+                   leg: LegState | None = None) -> web.StreamResponse:
         arrival = time.monotonic()
         model = self.resolve_model(req.common.model)
         prompt = self.prompts.chat_prompt(req)
-        max_tokens = self.prompts.max_tokens_for(len(prompt.token_ids), req.max_tokens,
+        sampling, wanted = self._leg_sampling(leg, req.common.sampling, req.max_tokens)
+        max_tokens = self.prompts.max_tokens_for(len(prompt.token_ids), wanted,
                                                  "messages", req.max_tokens_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         renames = {"logprobs": "top_logprobs", "max_tokens": req.max_tokens_param}
-        params = self.prompts.sampling_params(req.common.sampling, max_tokens, logprobs, renames)
+        params = self.prompts.sampling_params(sampling, max_tokens, logprobs, renames)
         spec = self._spec(EndpointKind.CHAT, req.common, model, [prompt], logprobs, echo=False)
         jobs = self._jobs(spec, [params], req.common.sampling.n)
-        return await self._execute(request, spec, jobs, req.common.stream, arrival)
+        return await self._execute(request, spec, jobs, req.common.stream, arrival, leg)
 
     async def _execute(self, request: web.Request, spec: ResponseSpec, jobs: list[ChoiceJob],
-                       stream: bool, arrival: float) -> web.StreamResponse:
+                       stream: bool, arrival: float, leg: LegState | None) -> web.StreamResponse:
+        kwargs: dict[str, Any] = {}
+        if leg is not None:
+            assert self.handoff is not None
+            self.handoff.check(leg.leg, len(jobs), stream)
+            leg.request_id = jobs[0].engine_request_id
+            kwargs = self.handoff.engine_kwargs(leg)
         with self.admission.admit(len(jobs)):
             states = {job.index: ChoiceState(job) for job in jobs}
             timers = {job.index: ChoiceTimer(self.metrics, arrival,
                                              len(spec.prompts[job.prompt_index].token_ids))
                       for job in jobs}
             builder = ResponseBuilder(spec, self.formatter)
+            headers: dict[str, str] = {}
             try:
-                async with contextlib.aclosing(run_choices(self.engine, jobs, spec.prompts)) as events:
+                async with running_choices(self.engine, jobs, spec.prompts, kwargs) as events:
+                    if leg is not None and not leg.is_prefill:
+                        assert self.handoff is not None
+                        load = await self.handoff.load(leg, spec.prompts[0].token_ids,
+                                                       jobs[0].params.logprobs is not None)
+                        headers[PHASES_HEADER] = dumps(load.phases())
                     if stream:
-                        return await self._stream(request, builder, events, states, timers)
-                    return await self._collect(builder, events, states, timers)
+                        return await self._stream(request, builder, events, states, timers, headers)
+                    await self._collect(events, states, timers)
+                body = builder.full_body(list(states.values()))
+                if leg is not None and leg.is_prefill:
+                    await self._hand_off(leg, spec, states[0], body)
+                return json_response(body, headers=headers)
             finally:
                 for timer in timers.values():
                     timer.abandoned()
 
-    async def _collect(self, builder: ResponseBuilder, events: Events,
-                       states: dict[int, ChoiceState], timers: dict[int, ChoiceTimer]) -> web.Response:
+    async def _hand_off(self, leg: LegState, spec: ResponseSpec, state: ChoiceState,
+                        body: dict[str, Any]) -> None:
+        """Prefill leg: hand the held KV off; `body` gains `kv_transfer_params` and the
+        prefix-cache hits the router reports as cached tokens."""
+        assert self.handoff is not None
+        if not state.token_ids:
+            raise InternalServerError("the prefill produced no first token", code="kv_no_token")
+        first = wire_logprob(state.logprobs[0] if state.logprobs else None, state.token_ids[0])
+        body["kv_transfer_params"] = await self.handoff.hand_off(leg, spec.prompts[0].token_ids,
+                                                                 first)
+        body["usage"]["prompt_tokens_details"] = {"cached_tokens": state.num_cached_tokens}
+
+    async def _collect(self, events: Events, states: dict[int, ChoiceState],
+                       timers: dict[int, ChoiceTimer]) -> None:
         try:
             async for job, out in events:
                 states[job.index].update(out)
@@ -136,11 +219,11 @@ class GenerationService:
         except EngineRequestError as exc:
             log.error("generation failed: %s", exc)
             raise exc.api_error from None
-        return json_response(builder.full_body(list(states.values())))
 
     async def _stream(self, request: web.Request, builder: ResponseBuilder, events: Events,
-                      states: dict[int, ChoiceState], timers: dict[int, ChoiceTimer]) -> web.StreamResponse:
-        writer = SseWriter(request)
+                      states: dict[int, ChoiceState], timers: dict[int, ChoiceTimer],
+                      headers: dict[str, str]) -> web.StreamResponse:
+        writer = SseWriter(request, headers)
         try:
             # Headers go out now (as vLLM): clients see the request accepted before the first
             # token; failures from here on are SSE error events.

@@ -23,12 +23,12 @@ def frame(payload: dict[str, Any]) -> bytes:
 class SseWriter:
     """One SSE response; headers go out on `start()` (or with the first event)."""
 
-    def __init__(self, request: web.Request) -> None:
+    def __init__(self, request: web.Request, headers: dict[str, str] | None = None) -> None:
         self.request = request
         self.response = web.StreamResponse(
             status=200,
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                     "X-Accel-Buffering": "no"},
+                     "X-Accel-Buffering": "no", **(headers or {})},
         )
         self.started = False
 

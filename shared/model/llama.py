@@ -20,6 +20,13 @@ from torch import nn
 
 from shared.model.attention import AttentionMetadata, paged_attention
 from shared.model.config import ModelConfig
+from shared.model.quant import (
+    PACKED_SUFFIXES,
+    MXFP4Linear,
+    QuantConfig,
+    packed_names,
+    quantize_linears,
+)
 from shared.model.rope import RotaryEmbedding
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -42,6 +49,8 @@ _LAYER_PARAMS: dict[str, tuple[str, int | None]] = {
 # Multimodal checkpoints prefix the language model; these rewrite to the plain layout.
 _PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
              ("language_model.lm_head.", "lm_head."))
+# A packed MXFP4 tensor name, mapped back to its dense weight name for the skip checks.
+_PACKED_NAME = re.compile(r"\.(" + "|".join(PACKED_SUFFIXES) + r")$")
 _IGNORED = re.compile(r"(.*rotary_emb\.inv_freq$)|(^(model\.)?(vision_tower|visual|vision_model|"
                       r"multi_modal_projector|mm_projector)\.)")
 
@@ -129,16 +138,19 @@ class LlamaForCausalLM(nn.Module):
     [T, hidden] on later ones, and `kv_cache` holds this stage's layers only (local index
     0 is layer `start`). With tied embeddings on a single stage, lm_head shares the embedding
     Parameter; a last stage without the embedding loads its own copy from the embedding
-    weight. Parameters start uninitialised: call `load_weights` before use.
+    weight. `quantization` swaps the linears for MXFP4Linear (shared.model.quant) before any
+    weight is allocated; a quantised tied lm_head is its own packed copy of the embedding.
+    Parameters start uninitialised: call `load_weights` before use.
     """
 
     def __init__(self, config: ModelConfig, layer_range: tuple[int, int] | None = None,
-                 *, dtype: torch.dtype = torch.float32) -> None:
+                 *, dtype: torch.dtype = torch.float32,
+                 quantization: QuantConfig | None = None) -> None:
         super().__init__()
         start, end = layer_range if layer_range is not None else (0, config.num_layers)
         if not 0 <= start < end <= config.num_layers:
             raise ValueError(f"layer_range {layer_range} is not within 0..{config.num_layers}")
-        self.config, self.dtype = config, dtype
+        self.config, self.dtype, self.quantization = config, dtype, quantization
         self.start, self.end = start, end
         self.is_first, self.is_last = start == 0, end == config.num_layers
         with torch.device("meta"):
@@ -148,8 +160,11 @@ class LlamaForCausalLM(nn.Module):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last else None
             self.lm_head = (nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
                             if self.is_last else None)
+        if quantization is not None:
+            quantize_linears(self, quantization)
         self.to_empty(device="cpu")
-        if self.lm_head is not None and self.embed_tokens is not None and config.tie_word_embeddings:
+        if (type(self.lm_head) is nn.Linear and self.embed_tokens is not None
+                and config.tie_word_embeddings):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings,
                                       dtype)
@@ -208,25 +223,48 @@ class LlamaForCausalLM(nn.Module):
         With tied embeddings, lm_head is the embedding: a single stage shares the Parameter,
         while a last stage without the embedding fills lm_head from `model.embed_tokens.weight`
         (a stored `lm_head.weight` is then ignored, as in HF).
+
+        A quantised linear's `X.weight` target is virtual: MXFP4Linear.load quantises the dense
+        tensor, or, from a pre-quantised checkpoint, takes `X.weight_blocks` and
+        `X.weight_scales` as stored (a packed tied head is stored as `lm_head.weight_*`).
         """
-        params = dict(self.named_parameters())
+        quantized = self._quantized_weights
+        packed = self.quantization is not None and self.quantization.prequantized
+        targets = set(dict(self.named_parameters())) | quantized
         out: dict[str, list[tuple[str, int | None]]] = {}
+
+        def add(hf_name: str, target: str, part: int | None) -> None:
+            if packed and target in quantized:
+                for hf_packed, packed_target in zip(packed_names(hf_name), packed_names(target),
+                                                    strict=True):
+                    out.setdefault(hf_packed, []).append((packed_target, part))
+            else:
+                out.setdefault(hf_name, []).append((target, part))
+
         for local, layer in enumerate(range(self.start, self.end)):
             for suffix, (param, part) in _LAYER_PARAMS.items():
-                if f"layers.{local}.{param}" in params:
-                    out[f"model.layers.{layer}.{suffix}"] = [(f"layers.{local}.{param}", part)]
+                if f"layers.{local}.{param}" in targets:
+                    add(f"model.layers.{layer}.{suffix}", f"layers.{local}.{param}", part)
         if self.is_first:
-            out["model.embed_tokens.weight"] = [("embed_tokens.weight", None)]
+            add("model.embed_tokens.weight", "embed_tokens.weight", None)
         if self.is_last:
-            out["model.norm.weight"] = [("norm.weight", None)]
-            if not self.config.tie_word_embeddings:
-                out["lm_head.weight"] = [("lm_head.weight", None)]
-            elif not self.is_first:
-                out.setdefault("model.embed_tokens.weight", []).append(("lm_head.weight", None))
+            add("model.norm.weight", "norm.weight", None)
+            head_quantized = "lm_head.weight" in quantized
+            if not self.config.tie_word_embeddings or (head_quantized and packed):
+                add("lm_head.weight", "lm_head.weight", None)
+            elif head_quantized or not self.is_first:
+                add("model.embed_tokens.weight", "lm_head.weight", None)
         return out
+
+    @functools.cached_property
+    def _quantized_weights(self) -> frozenset[str]:
+        """`X.weight` for every MXFP4Linear X (weights that are not Parameters)."""
+        return frozenset(f"{name}.weight" for name, module in self.named_modules()
+                         if isinstance(module, MXFP4Linear))
 
     def _skippable(self, name: str) -> bool:
         """A known tensor this stage does not need (other stages, tied lm_head, vision...)."""
+        name = _PACKED_NAME.sub(".weight", name)
         if _IGNORED.match(name) or name in ("model.embed_tokens.weight", "model.norm.weight",
                                             "lm_head.weight"):
             return True
@@ -246,6 +284,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def _copy_into(self, param_name: str, part: int | None, src: torch.Tensor, name: str) -> None:
+        module_name, _, attr = param_name.rpartition(".")
+        module = self.get_submodule(module_name)
+        if isinstance(module, MXFP4Linear) and attr != "bias":
+            lo, hi = (0, module.out_features) if part is None else self._slice_bounds(param_name, part)
+            module.load(attr, src, lo, hi, name)
+            return
         dest = self.get_parameter(param_name)
         if part is not None:
             lo, hi = self._slice_bounds(param_name, part)
@@ -264,11 +308,13 @@ def _canonical(name: str) -> str:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype | str,
-               layer_range: tuple[int, int] | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+               layer_range: tuple[int, int] | None = None,
+               quantization: QuantConfig | str | None = None,
+               ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build and load a model (or one pipeline stage) from an HF checkpoint directory.
 
     Same as `shared.model.loader.load_model`, re-exported here for the engine's convenience.
     """
     from shared.model.loader import load_model as _load
 
-    return _load(model_dir, dtype, layer_range)
+    return _load(model_dir, dtype, layer_range, quantization)

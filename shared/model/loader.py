@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
+from shared.model.quant import QuantConfig, resolve_quantization
 
 INDEX_FILE = "model.safetensors.index.json"
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -123,11 +124,33 @@ def iter_weights(files: tuple[Path, ...], keep: Callable[[str], bool] | None = N
                     yield name, f.get_tensor(name)
 
 
+def stored_tensor_names(files: tuple[Path, ...]) -> set[str]:
+    """Names of every tensor in the safetensors files (headers only, no data read)."""
+    return {name for path in files for name in _safetensors_header(path)[1]
+            if name != "__metadata__"}
+
+
+def checkpoint_quantization(ckpt: Checkpoint, requested: QuantConfig | str | None = None,
+                            ) -> QuantConfig | None:
+    """How to load ckpt: `requested` (EngineConfig.quantization or a QuantConfig) for a dense
+    checkpoint; a pre-quantised one (config.json `quantization_config`) loads as stored."""
+    hf_quant = read_json(ckpt.model_dir / "config.json").get("quantization_config")
+    return resolve_quantization(requested, hf_quant, stored_tensor_names(ckpt.weight_files))
+
+
 def load_model(model_dir: Path, dtype: torch.dtype | str,
-               layer_range: tuple[int, int] | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model (or one pipeline stage) in `dtype` and load its weights."""
+               layer_range: tuple[int, int] | None = None,
+               quantization: QuantConfig | str | None = None,
+               ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model (or one pipeline stage) in `dtype` and load its weights.
+
+    quantization None | "mxfp4" | QuantConfig quantises the linear layers while loading (see
+    shared.model.quant); a pre-quantised checkpoint is always loaded quantised.
+    """
     ckpt = open_checkpoint(Path(model_dir))
-    model = LlamaForCausalLM(ckpt.config, layer_range, dtype=resolve_dtype(dtype))
+    quant = checkpoint_quantization(ckpt, quantization)
+    model = LlamaForCausalLM(ckpt.config, layer_range, dtype=resolve_dtype(dtype),
+                             quantization=quant)
     model.load_weights(iter_weights(ckpt.weight_files, keep=model.wants_weight))
     model.eval()
     return model, ckpt.config

@@ -27,6 +27,7 @@ KV_PROTOCOL_VERSION = 1
 #   1  first version: envelope (hash, version, factors, message); messages {"t","b"}; frames
 #      u32 + header + raw little-endian payload; KV chunks are boxes of the block-major view
 #      [n, L, 2, bs, kvh, hd], at most 4 MiB; block digests are XXH3-128 of a block's bytes.
+#      (still 1, unreleased: kv_transfer_params gained the optional `prompt_digest`.)
 
 MAX_CHUNK_BYTES = 4 * 1024 * 1024  # largest raw payload in one frame or push write
 MAX_HEADER_BYTES = 1024 * 1024

@@ -7,7 +7,10 @@ own ids; a receiver never trusts them without checking them against its lease or
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.protocol.codec import Message, ProtocolError, from_fields, to_fields
@@ -69,6 +72,8 @@ class KVTransferParams(Message, tag="kv_params"):
 
     `lease_expiry` is wall-clock (time.time()) because it crosses hosts; `digests[i]` is the
     digest of block `block_ids[i]` (see shared.protocol.tensors.block_digest).
+    `prompt_digest` (`prompt_digest()` of the prompt's token ids; empty: not given) lets the
+    decode check that the KV belongs to the prompt it was sent, not just to one as long.
     """
 
     transfer_mode: str
@@ -84,6 +89,7 @@ class KVTransferParams(Message, tag="kv_params"):
     lease_expiry: float
     digests: list[str]
     compat_hash: str
+    prompt_digest: str = ""
 
     def __post_init__(self) -> None:
         if self.transfer_mode not in TRANSFER_MODES:
@@ -112,6 +118,11 @@ class KVTransferParams(Message, tag="kv_params"):
             raise ProtocolError("kv_transfer_params must be an object")
         fields = {k: v for k, v in data.items() if k not in ROUTING_FLAGS}
         return from_fields(KVTransferParams, fields)
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """SHA-256 (first 128 bits, hex) of a prompt's token ids as little-endian u32."""
+    return hashlib.sha256(struct.pack(f"<{len(token_ids)}I", *token_ids)).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

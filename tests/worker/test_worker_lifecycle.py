@@ -120,10 +120,11 @@ def test_pdmesh_serve_process_drains_on_sigterm(tiny_dir: Path) -> None:
             proc.wait()
 
 
-def test_serve_refuses_unsupported_role() -> None:
+def test_serve_refuses_bad_kv_settings() -> None:
     from services.cli import main
 
-    assert main(["serve", "--role", "prefill"]) == 2
+    assert main(["serve", "--role", "prefill", "--kv-lease-seconds", "0"]) == 2
+    assert main(["serve", "--role", "decode", "--kv-port", "70000"]) == 2
 
 
 @pytest.mark.parametrize("argv", [["serve", "--kv-cache-memory", "lots"], ["serve", "--max-queue", "-1"]])

@@ -1,0 +1,88 @@
+"""Fixtures for the P/D tests: tiny random models and a mesh of in-process workers.
+
+The workers are started once per session (each costs ~0.5 s once torch is warm) and shared by
+every test; tests leave them holding no blocks, which each test checks for itself. The
+subprocess workers of the kill tests are launched at session start, only when those tests
+were collected, so their start-up overlaps the other tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from pd_harness import SubprocessWorker, WorkerThread, wait_ready
+from pd_mesh import (
+    KILL_LEASE_S,
+    SHORT_LEASE_S,
+    Mesh,
+    ProcessPair,
+    make_model,
+    serve_args,
+    worker_config,
+)
+
+from services.worker.config import KVLoadFailurePolicy
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("pd") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same shape, different weights (another seed): a different weights fingerprint."""
+    return make_model(tmp_path_factory.mktemp("pd") / "tiny-other", seed=1)
+
+
+@pytest.fixture(scope="session")
+def mesh(tiny_model: Path, other_model: Path) -> Iterator[Mesh]:
+    configs = {
+        "mixed": worker_config(tiny_model, "mixed"),
+        "prefill": worker_config(tiny_model, "prefill"),
+        "decode": worker_config(tiny_model, "decode"),
+        "push_prefill": worker_config(tiny_model, "prefill", "push"),
+        "push_decode": worker_config(tiny_model, "decode", "push"),
+        "short_lease_prefill": worker_config(tiny_model, "prefill", lease=SHORT_LEASE_S),
+        "recompute_decode": worker_config(tiny_model, "decode",
+                                          policy=KVLoadFailurePolicy.RECOMPUTE),
+        "other_decode": worker_config(other_model, "decode"),
+    }
+    workers = {name: WorkerThread(cfg).start() for name, cfg in configs.items()}
+
+    async def ready() -> None:
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*(wait_ready(session, w.url) for w in workers.values()))
+
+    try:
+        asyncio.run(ready())
+        yield Mesh(**workers)
+    finally:
+        for worker in workers.values():
+            worker.stop()
+
+
+@pytest.fixture(scope="session")
+def process_pair(tiny_model: Path,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessPair]:
+    logs = tmp_path_factory.mktemp("pd-logs")
+    pair = ProcessPair(
+        SubprocessWorker(serve_args(tiny_model, "prefill", "--kv-lease-seconds",
+                                    str(KILL_LEASE_S)), logs / "prefill.log"),
+        SubprocessWorker(serve_args(tiny_model, "decode"), logs / "decode.log"))
+    try:
+        yield pair
+    finally:
+        pair.prefill.stop()
+        pair.decode.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _early_process_pair(request: pytest.FixtureRequest) -> None:
+    """Launch the kill tests' processes first thing, if any kill test is collected."""
+    if any("process_pair" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        request.getfixturevalue("process_pair")

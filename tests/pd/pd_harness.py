@@ -1,0 +1,277 @@
+"""Running P/D workers in tests, and a small test dispatcher playing the router's part.
+
+Workers are the real worker app (`services.worker.app.create_app`) on 127.0.0.1 with real
+ports, each on its own thread and event loop (so one test process can hold several engines
+without a second torch import); `SubprocessWorker` runs `pdmesh serve` for the tests that
+kill a worker. The dispatcher sends the two legs as the router does (services/router/legs.py):
+pull is prefill then decode with the prefill's `kv_transfer_params`, push sends both legs at
+once with one transfer id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from services.worker.app import create_app
+from services.worker.config import WorkerConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class WorkerThread:
+    """One worker app on 127.0.0.1 in a thread with its own loop; `url`, `config`, `stop()`."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.app = create_app(config)
+        self.loop = asyncio.new_event_loop()
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _start(self) -> None:
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    def start(self) -> WorkerThread:
+        """Listening on return; call `wait_ready` before sending requests."""
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(60)
+        return self
+
+    def freeze(self, seconds: float) -> None:
+        """Block this worker's event loop (HTTP and KV service) for `seconds`: a stalled peer."""
+        self.loop.call_soon_threadsafe(time.sleep, seconds)
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SubprocessWorker:
+    """`pdmesh serve ...` in its own process (so a test can SIGSTOP or SIGKILL it)."""
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.port = free_port()
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "services.worker", "--host", "127.0.0.1",
+               "--port", str(self.port), "--log-level", "WARNING", *args]
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+
+
+async def wait_ready(session: aiohttp.ClientSession, url: str, timeout: float = 120.0,
+                     alive: Callable[[], bool] = lambda: True) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            async with session.get(f"{url}/health") as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientConnectionError:
+            pass
+        if time.monotonic() > deadline or not alive():
+            raise TimeoutError(f"worker {url} never became ready")
+        await asyncio.sleep(0.05)
+
+
+# ---- the test dispatcher -------------------------------------------------------------
+
+
+@dataclass
+class Answer:
+    """What the client got: status, the JSON body (or the stream's chunks), and token ids."""
+
+    status: int
+    body: dict[str, Any] = field(default_factory=dict)
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+    prefill: dict[str, Any] | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def phases(self) -> dict[str, Any]:
+        """What the decode reported about its KV (x-pdmesh-phases)."""
+        return json.loads(self.headers.get("x-pdmesh-phases", "{}"))
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        if "error" in self.body:
+            return self.body["error"]
+        return next((c["error"] for c in self.chunks if "error" in c), None)
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self.chunks:
+            return [t for c in self.chunks for ch in c.get("choices", [])
+                    for t in ch.get("token_ids") or []]
+        return self.body["choices"][0]["token_ids"]
+
+    @property
+    def text(self) -> str:
+        if self.chunks:
+            return "".join(ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+                           for c in self.chunks for ch in c.get("choices", []))
+        choice = self.body["choices"][0]
+        return choice.get("text") if "text" in choice else choice["message"]["content"]
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Answer:
+    """POST a completion (JSON or SSE) and collect the answer. A worker that vanished
+    mid-request becomes a 502 envelope here, as the router reports it to its client."""
+    try:
+        return await _post(session, url, body)
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+        return Answer(502, {"error": {"message": f"upstream {url} failed: {exc!r}",
+                                      "type": "server_error", "param": None,
+                                      "code": "upstream_unreachable"}})
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Answer:
+    async with session.post(url, json=body) as resp:
+        headers = {k.lower(): v for k, v in resp.headers.items()}
+        if resp.content_type != "text/event-stream":
+            return Answer(resp.status, await resp.json(), headers=headers)
+        chunks = []
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                chunks.append(json.loads(line[6:]))
+        return Answer(resp.status, chunks=chunks, headers=headers)
+
+
+def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    out = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": params}
+    out.pop("stream_options", None)
+    return out
+
+
+async def dispatch_pull(session: aiohttp.ClientSession, prefill: str, decode: str,
+                        path: str, body: dict[str, Any]) -> Answer:
+    """Prefill, then decode. A client gone after the prefill answered gets the prefill's lease
+    aborted (in the background: we are being cancelled), as a router does."""
+    pre = await post(session, prefill + path, prefill_body(body, {"do_remote_decode": True}))
+    if pre.status != 200:
+        return pre
+    params = pre.body["kv_transfer_params"]
+    try:
+        answer = await post(session, decode + path, {**body, "kv_transfer_params": params})
+    except asyncio.CancelledError:
+        _background(session.post(f"{prefill}/v1/kv_transfer/abort",
+                                 json={"kv_transfer_params": params}))
+        raise
+    answer.prefill = pre.body
+    return answer
+
+
+_BACKGROUND: set[asyncio.Task] = set()
+
+
+def _background(request: Any) -> None:
+    async def run() -> None:
+        async with request as resp:
+            await resp.read()
+
+    task = asyncio.ensure_future(run())
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+
+
+async def dispatch_push(session: aiohttp.ClientSession, prefill: str, decode: str,
+                        path: str, body: dict[str, Any], prefill_meta: dict[str, Any]) -> Answer:
+    """Both legs at once; a failed decode cancels the prefill leg (as the router does)."""
+    tid = uuid.uuid4().hex
+    to_p = {"do_remote_decode": True, "transfer_id": tid, "transfer_mode": "push"}
+    to_d = {"do_remote_prefill": True, "transfer_id": tid, "transfer_mode": "push",
+            "remote_engine_id": prefill_meta["engine_id"],
+            "remote_host": prefill_meta["kv_host"], "remote_port": prefill_meta["kv_port"]}
+    pre = asyncio.ensure_future(post(session, prefill + path, prefill_body(body, to_p)))
+    try:
+        answer = await post(session, decode + path, {**body, "kv_transfer_params": to_d})
+        if answer.status == 200:
+            answer.prefill = (await pre).body
+        return answer
+    finally:
+        if not pre.done():
+            pre.cancel()
+        await asyncio.gather(pre, return_exceptions=True)
+
+
+async def metadata(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with session.get(f"{url}/v1/metadata") as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+
+async def blocks_in_use(session: aiohttp.ClientSession, url: str) -> tuple[int, int, int]:
+    """(engine blocks in use, engine held blocks, KV-service held blocks) of one worker."""
+    md = await metadata(session, url)
+    kv = md.get("kv_transfer") or {}
+    return (md["kv_cache"]["num_used_blocks"], md["kv_cache"]["num_held_blocks"],
+            kv.get("held_blocks", 0))
+
+
+async def settle_to_zero(session: aiohttp.ClientSession, *urls: str,
+                         timeout: float = 10.0) -> None:
+    """Wait until every worker holds no block (background releases take a moment)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = {url: await blocks_in_use(session, url) for url in urls}
+        if all(c == (0, 0, 0) for c in counts.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks still in use (used, held, leased): {counts}")
+        await asyncio.sleep(0.05)
