@@ -17,7 +17,11 @@ from services.common.errors import error_middleware
 from services.common.lifecycle import LIFECYCLE_KEY, Lifecycle, readiness_middleware
 from services.common.middleware import ApiKeyAuth, api_prefix_predicate, install_request_id
 from services.worker.config import WorkerConfig
-from services.worker.engine_client import EngineFactory, real_engine_factory
+from services.worker.engine_client import (
+    EngineFactory,
+    pipeline_engine_factory,
+    real_engine_factory,
+)
 from services.worker.routes import RUNTIME_KEY, STARTED_AT_KEY, routes
 from services.worker.runtime import WorkerRuntime
 
@@ -55,7 +59,9 @@ def create_app(config: WorkerConfig, engine_factory: EngineFactory | None = None
         middlewares=[error_middleware, auth.middleware(), readiness_middleware(guarded)],
     )
     install_request_id(app)
-    runtime = WorkerRuntime(config, engine_factory or real_engine_factory)
+    default = (pipeline_engine_factory(config.pipeline) if config.pipeline.enabled
+               else real_engine_factory)
+    runtime = WorkerRuntime(config, engine_factory or default)
     app[CONFIG_KEY] = config
     app[LIFECYCLE_KEY] = Lifecycle()
     app[RUNTIME_KEY] = runtime

@@ -15,6 +15,8 @@ from services.common.units import parse_size
 from services.kv_transfer.config import KVTransferConfig
 from services.kv_transfer.config import add_arguments as add_kv_arguments
 from shared.config import DEFAULT_MODEL, EngineConfig
+from shared.pipeline import config as pipeline_config
+from shared.pipeline.config import PipelineConfig
 
 API_KEY_ENV = "PDMESH_API_KEY"
 DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
@@ -62,8 +64,11 @@ class WorkerConfig:
     served_model_names: tuple[str, ...] = ()
     kv: KVTransferConfig | None = None
     kv_load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.FAIL
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self) -> None:
+        if self.pipeline.enabled and self.role is WorkerRole.DECODE:
+            raise ValueError("--pp-size > 1 works for the mixed and prefill roles, not decode")
         if (self.kv is None) != (self.role is WorkerRole.MIXED):
             need = "needs" if self.kv is None else "has no"
             raise ValueError(f"a {self.role.value} worker {need} KV-transfer settings")
@@ -132,11 +137,13 @@ class WorkerConfig:
             max_queue=args.max_queue,
             drain_grace_seconds=args.drain_grace_seconds,
             served_model_names=tuple(args.served_model_name or ()),
+            pipeline=pipeline_config.from_args(args),
         )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pdmesh serve` / `python -m services.worker`."""
+    pipeline_config.add_arguments(parser)
     d = EngineConfig()
     w = WorkerConfig()
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model name, HF directory or GGUF file")

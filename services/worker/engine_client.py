@@ -11,6 +11,7 @@ from typing import Any, Protocol, TypeVar
 from shared.config import EngineConfig
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
+from shared.pipeline.config import PipelineConfig
 
 T = TypeVar("T")
 
@@ -81,3 +82,15 @@ def real_engine_factory(config: EngineConfig) -> EngineClient:
     from shared.engine.async_engine import AsyncEngine
 
     return AsyncEngine(config)
+
+
+def pipeline_engine_factory(pipeline: PipelineConfig) -> EngineFactory:
+    """A factory for a pipeline-parallel worker: stage 0 runs here, the other stages are
+    spawned by the engine (shared.pipeline). Imported lazily like the plain engine."""
+
+    def make(config: EngineConfig) -> EngineClient:
+        from shared.pipeline.facades import PipelineAsyncEngine
+
+        return PipelineAsyncEngine(config, pipeline)
+
+    return make
