@@ -22,6 +22,7 @@ from services.router import admin, api
 from services.router.admission import Admission
 from services.router.config import RouterConfig
 from services.router.health import HealthChecker, Jobs
+from services.router.leases import LeaseReleaser
 from services.router.metrics import RouterMetrics
 from services.router.orchestrator import Orchestrator
 from services.router.pairing import Pairing
@@ -54,14 +55,17 @@ async def sessions_context(app: web.Application) -> AsyncIterator[None]:
     control = Upstream(_session(cfg, total=cfg.health_timeout_s * 2), cfg.worker_api_key)
     tokenizer = PromptTokenizer(cfg.tokenizer, state.registry, control)
     checker = HealthChecker(state.registry, control, cfg, state.metrics, state.pairing.prefix)
+    leases = LeaseReleaser(control, state.metrics)
     state.runtime = Runtime(
         upstream=legs, control=control,
-        orchestrator=Orchestrator(cfg, state.pairing, legs, tokenizer, state.metrics),
-        checker=checker, jobs=Jobs(state.registry, checker, state.metrics), tokenizer=tokenizer)
+        orchestrator=Orchestrator(cfg, state.pairing, legs, tokenizer, state.metrics, leases),
+        checker=checker, jobs=Jobs(state.registry, checker, state.metrics), tokenizer=tokenizer,
+        leases=leases)
     try:
         yield
     finally:
         await state.rt.jobs.close()
+        await leases.close()
         await tokenizer.close()
         state.runtime = None
         await legs.session.close()

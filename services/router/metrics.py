@@ -32,6 +32,9 @@ class RouterMetrics:
                                          "Failed worker calls", ["leg", "status"], registry=r)
         self.disconnects = Counter("pdmesh:router_client_disconnects",
                                    "Client disconnects that aborted both legs", registry=r)
+        self.lease_releases = Counter("pdmesh:router_lease_releases",
+                                      "Pull leases ended early through the prefill's "
+                                      "kv_transfer/abort, by result", ["result"], registry=r)
         self.ttft = Histogram("pdmesh:router_time_to_first_token_seconds",
                               "Router arrival to first token", buckets=_TTFT_BUCKETS, registry=r)
         self.e2e = Histogram("pdmesh:router_e2e_request_latency_seconds",

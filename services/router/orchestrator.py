@@ -4,7 +4,9 @@ One attempt runs a `Route`: pull (prefill, then decode with the prefill's params
 legs at once, matched on a router-minted transfer_id) or local (one decode/mixed worker). An
 attempt that fails before the first byte reached the client is retried on other workers with
 backoff and jitter inside the request's budget; a failed decode re-runs the prefill too, since
-its KV may be gone. After the first byte, a failure becomes an SSE error event.
+its KV may be gone. After the first byte, a failure becomes an SSE error event. A pull decode
+leg that ends without success (client gone, decode failed) has the prefill's lease ended at
+once (`leases.py`) rather than at its expiry.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from services.router.client_stream import ClientStream, relay
 from services.router.config import RetryConfig, RouterConfig
 from services.router.errors import NoServableGroupError
 from services.router.first_token import ApiKind, FirstTokenSkipper, early_chunks
+from services.router.leases import LeaseReleaser
 from services.router.legs import (
     can_stream_first_token_early,
     decode_body,
@@ -93,12 +96,14 @@ class Orchestrator:
     """Runs requests; shares the pairing, the upstream session and the metrics of one app."""
 
     def __init__(self, config: RouterConfig, pairing: Pairing, upstream: Upstream,
-                 tokenizer: PromptTokenizer, metrics: RouterMetrics) -> None:
+                 tokenizer: PromptTokenizer, metrics: RouterMetrics,
+                 leases: LeaseReleaser) -> None:
         self._cfg = config
         self._pairing = pairing
         self._upstream = upstream
         self._tokenizer = tokenizer
         self._metrics = metrics
+        self._leases = leases
         self._rng = random.Random()
 
     async def serve(self, req: ClientRequest) -> web.StreamResponse:
@@ -160,12 +165,7 @@ class Orchestrator:
         if route.prefill is None:
             return await self._decode(route, req, out, req.body, None)
         if not route.push:
-            pre = await self._prefill(route.prefill, req, pull_prefill_params())
-            params = pre.get("kv_transfer_params")
-            if params is None:
-                log.warning("%s returned no kv_transfer_params: the decode recomputes the prompt",
-                            route.prefill.id)
-            return await self._decode(route, req, out, decode_body(req.body, params), pre)
+            return await self._pull(route, req, out)
         assert route.prefill.metadata is not None, "usable workers have metadata"
         to_p, to_d = push_params(new_transfer_id(), route.prefill.metadata)
         task = asyncio.create_task(self._prefill(route.prefill, req, to_p))
@@ -175,6 +175,23 @@ class Orchestrator:
             if not task.done():
                 task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+    async def _pull(self, route: Route, req: ClientRequest,
+                    out: ClientStream | None) -> web.StreamResponse:
+        """Prefill, then decode with its params; a decode leg that does not succeed (failed,
+        or cancelled because the client left) leaves a lease behind: end it now."""
+        assert route.prefill is not None
+        pre = await self._prefill(route.prefill, req, pull_prefill_params())
+        params = pre.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            log.warning("%s returned no kv_transfer_params: the decode recomputes the prompt",
+                        route.prefill.id)
+            return await self._decode(route, req, out, decode_body(req.body, None), pre)
+        try:
+            return await self._decode(route, req, out, decode_body(req.body, params), pre)
+        except BaseException:
+            self._leases.release(route.prefill, params, req.request_id)
+            raise
 
     @asynccontextmanager
     async def _on(self, worker: Worker, leg: str) -> AsyncIterator[None]:

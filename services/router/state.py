@@ -15,6 +15,7 @@ from aiohttp import web
 from services.router.admission import Admission
 from services.router.config import RouterConfig
 from services.router.health import HealthChecker, Jobs
+from services.router.leases import LeaseReleaser
 from services.router.metrics import RouterMetrics
 from services.router.orchestrator import Orchestrator
 from services.router.pairing import Pairing
@@ -33,6 +34,7 @@ class Runtime:
     checker: HealthChecker
     jobs: Jobs
     tokenizer: PromptTokenizer
+    leases: LeaseReleaser
 
 
 @dataclass

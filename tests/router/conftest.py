@@ -1,10 +1,13 @@
-"""Fixtures: a router app in front of in-process fake workers (see pd_fakes.py)."""
+"""Fixtures: a router app in front of in-process fake workers (see pd_fakes.py), and the
+real worker processes the slow end-to-end tests share (see real_mesh.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +17,12 @@ from pd_fakes import FakeWorker
 from services.router.app import create_app
 from services.router.config import BreakerConfig, RouterConfig
 from services.router.state import STATE_KEY, RouterState
+
+# The P/D tests' harness (readiness polling, block accounting, a plain client) is reused by the
+# real-process router tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))
+
+FLEET_START_TIMEOUT_S = 240.0  # six SmolLM2 loads at once on a loaded 2-core machine
 
 
 @dataclasses.dataclass
@@ -82,3 +91,15 @@ async def make_mesh() -> AsyncIterator[MeshFactory]:
         await mesh.client.close()
         for w in mesh.workers:
             await w.close()
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The shared real workers (real_mesh.Fleet), started on first use; logs in a temp dir."""
+    from real_mesh import Fleet  # imports the worker stack: only the slow tests pay for it
+
+    fleet = Fleet.create(tmp_path_factory.mktemp("router-fleet"))
+    try:
+        yield fleet.start(FLEET_START_TIMEOUT_S)
+    finally:
+        fleet.stop()

@@ -87,6 +87,7 @@ class FakeWorker:
         self.faults: deque[Fault] = deque()
         self.metadata_status = 200
         self.calls: list[Call] = []
+        self.lease_aborts: list[dict[str, Any]] = []  # bodies of POST /v1/kv_transfer/abort
         self.decode_gate: asyncio.Event | None = None  # decode streams wait for it if set
         self.running = 0
         self._cache: set[str] = set()
@@ -104,7 +105,8 @@ class FakeWorker:
             web.post("/v1/completions", self._generate), web.post("/v1/chat/completions", self._generate),
             web.get("/v1/models", self._models), web.get("/v1/metadata", self._metadata),
             web.post("/tokenize", self._tokenize), web.post("/detokenize", self._detokenize),
-            web.get("/health", self._health)])
+            web.get("/health", self._health),
+            web.post("/v1/kv_transfer/abort", self._lease_abort)])
         return app
 
     async def start(self) -> FakeWorker:
@@ -138,6 +140,11 @@ class FakeWorker:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
+
+    async def _lease_abort(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.lease_aborts.append(body)
+        return web.json_response({"released": True})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -197,7 +204,7 @@ class FakeWorker:
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_engine_id": self.engine_id, "remote_block_ids": [1, 2, 3],
             "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": request.headers.get("X-Request-Id"),
-            "transfer_id": params.get("transfer_id")}
+            "transfer_id": params.get("transfer_id"), "lease_id": f"lease-{next(self._ids)}"}
         return web.json_response(doc)
 
     async def _await_kv(self, params: dict[str, Any]) -> web.Response | None:

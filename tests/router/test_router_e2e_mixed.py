@@ -1,68 +1,26 @@
-"""End to end with a real worker process (SmolLM2, mixed role) behind the router."""
+"""An in-process router app in front of the shared real mixed worker (SmolLM2): the openai SDK
+streams a chat through it, and the router's own tokenizer agrees with the worker's /tokenize."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
-import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from real_mesh import MODEL
 
 from services.router.app import create_app
 from services.router.config import RouterConfig
 from services.router.first_token import ApiKind
 from services.router.state import STATE_KEY
 
-pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
-MODEL = "smollm2-135m-instruct"
+# Generous: the first test of a session also waits for the shared fleet to load (see conftest).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def worker_url():
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--model", MODEL, "--port", str(port),
-         "--threads", "1", "--log-level", "WARNING"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-
-    async def wait() -> None:
-        async with aiohttp.ClientSession() as session:
-            for _ in range(600):
-                assert proc.poll() is None, proc.stderr.read().decode()
-                try:
-                    async with session.get(url + "/health") as resp:
-                        if resp.status == 200:
-                            return
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.2)
-        raise AssertionError("worker never became healthy")
-
-    try:
-        asyncio.run(wait())
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-
-
-async def test_router_in_front_of_a_real_worker(worker_url):
+async def test_router_in_front_of_a_real_worker(fleet):
+    worker_url = fleet.mixed.url
     config = RouterConfig(mixed_urls=(worker_url,), disagg_min_tokens=4, health_interval_s=0.2)
     async with TestClient(TestServer(create_app(config), host="127.0.0.1")) as client:
         base = str(client.make_url("")).rstrip("/")
