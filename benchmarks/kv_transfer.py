@@ -5,6 +5,12 @@ request is 125 blocks of 360 KiB = 43.9 MiB. Raw loopback TCP (asyncio streams, 
 writes, the same byte count, the same process layout) is measured in the same run.
 
     .venv/bin/python benchmarks/kv_transfer.py [--layout in-process|two-process|both] [--iters 8]
+                                               [--pd] [--pd-iters 2]
+
+With `--pd`, the same run then measures P/D against a mixed worker on the real SmolLM2 (TTFT
+and total latency in pull and push mode) and how much push overlaps the transfer with the
+prompt's compute (benchmarks/kv_pd.py). The load average is printed next to every figure:
+on a shared 2-core box the wall-clock rates swing with it.
 
 "pull" is `fetch` end to end as a decode worker sees it: allocation, streaming 4 MiB chunks
 into the cache, per-block digest verification (the handshake is cached after round 0, which
@@ -193,8 +199,14 @@ def report(name: str, samples: list[Sample], raw: dict | None = None, cpu: bool 
             "max": round(max(rates), 3), "loop_cpu_ms": round(cpu_ms, 1) if cpu else None}
 
 
+def load_average() -> str:
+    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def run_layout(layout: str, iters: int) -> list[dict]:
+    print(f"{layout}: {load_average()}", flush=True)
     runs = uvloop.run(in_process(iters) if layout == "in-process" else two_process(iters))
+    print(f"{layout} done: {load_average()}", flush=True)
     cpu = layout == "in-process"  # one loop thread does all the work only then
     raw = report(f"raw TCP, {layout}", runs.pop("raw TCP"), cpu=cpu)
     return [raw] + [report(f"{name}, {layout}", samples, raw, cpu=cpu)
@@ -205,6 +217,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", choices=["in-process", "two-process", "both"], default="both")
     ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--pd", action="store_true", help="also P/D vs mixed on SmolLM2")
+    ap.add_argument("--pd-iters", type=int, default=2)
     ap.add_argument("--serve-prefill", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_prefill is not None:
@@ -216,6 +230,14 @@ def main() -> int:
     layouts = ["in-process", "two-process"] if args.layout == "both" else [args.layout]
     results = [r for layout in layouts for r in run_layout(layout, args.iters)]
     print(json.dumps(results))
+    if args.pd:
+        import kv_pd  # benchmarks/ is on sys.path when run as a script
+
+        print(f"P/D: {load_average()}", flush=True)
+        pd = asyncio.run(kv_pd.run(args.pd_iters, TOKENS, 256, 16))
+        kv_pd.report(pd, TOKENS, 256, 16)
+        print(f"P/D done: {load_average()}")
+        print(json.dumps(pd))
     return 0
 
 

@@ -198,7 +198,8 @@ async def start_server(config: KVTransferConfig, service: KVTransferService) -> 
     sock = bind_socket(config.host, config.port)
     service.set_port(sock.getsockname()[1])
     runner = web.AppRunner(create_app(config, service), handle_signals=False,
-                           handler_cancellation=True, shutdown_timeout=2.0)
+                           handler_cancellation=True, shutdown_timeout=2.0,
+                           read_bufsize=config.max_chunk_bytes)  # push writes: one chunk
     await runner.setup()
     await web.SockSite(runner, sock).start()
     return runner

@@ -42,24 +42,31 @@ class OutChunk:
     payload: memoryview
 
 
-def iter_chunk_headers(geometry: KVGeometry, num_blocks: int,
-                       max_bytes: int) -> Iterator[TensorChunk]:
-    """The headers `iter_chunks` yields, without touching any block (sizes known upfront)."""
+def iter_chunk_headers(geometry: KVGeometry, num_blocks: int, max_bytes: int,
+                       first_row: int = 0) -> Iterator[TensorChunk]:
+    """The headers `iter_chunks` yields, without touching any block (sizes known upfront).
+
+    `first_row` shifts the boxes: the blocks are rows [first_row, first_row + num_blocks)
+    of the request (a push stream sends a request's blocks in several ranges)."""
     for box in plan(geometry, num_blocks, max_bytes):
-        yield TensorChunk(geometry.dtype, list(box.shape), list(box.offset))
+        offset = [box.offset[0] + first_row, *box.offset[1:]]
+        yield TensorChunk(geometry.dtype, list(box.shape), offset)
 
 
 def iter_chunks(kv_cache: torch.Tensor, block_ids: list[int], geometry: KVGeometry,
-                max_bytes: int, digester: RowDigester | None = None) -> Iterator[OutChunk]:
-    """The chunks of `block_ids` in order, each gathered (one copy) only when asked for.
+                max_bytes: int, digester: RowDigester | None = None,
+                first_row: int = 0) -> Iterator[OutChunk]:
+    """The chunks of `block_ids` (request rows from `first_row` on) in order, each gathered
+    (one copy) only when asked for.
 
     Lazy on purpose: a caller that checks its lease before taking the next chunk never reads
     a block after the lease ended.
     """
     ids = torch.tensor(block_ids, dtype=torch.long)
-    for header in iter_chunk_headers(geometry, len(block_ids), max_bytes):
+    for header in iter_chunk_headers(geometry, len(block_ids), max_bytes, first_row):
         box = Box(tuple(header.offset), tuple(header.shape))
-        data = gather(kv_cache, ids, box)
+        local = Box((box.offset[0] - first_row,) + box.offset[1:], box.shape)
+        data = gather(kv_cache, ids, local)
         payload = raw_bytes(data)
         if digester is not None:
             digester.feed(box, payload)

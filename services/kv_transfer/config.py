@@ -26,7 +26,9 @@ class KVTransferConfig:
     `advertise_host` is what goes into kv_transfer_params (defaults to `host`). Leases last
     `lease_seconds`; decode heartbeats every lease/6 extend them to now + 2/3 lease. A push
     rendezvous waits at most `push_deadline_seconds` for the other leg. `layer_start`/
-    `layer_end` (None: all) and `pp_size` describe a pipeline stage for negotiation.
+    `layer_end` (None: all) and `pp_size` describe a pipeline stage for negotiation;
+    `layer_partition` (None: the even split) gives each stage's layer count, as
+    `--pp-layer-partition` does, so the ranges declared in the handshake are the engine's own.
     """
 
     role: str = "prefill"
@@ -46,6 +48,7 @@ class KVTransferConfig:
     layer_start: int = 0
     layer_end: int | None = None
     pp_size: int = 1
+    layer_partition: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -58,6 +61,9 @@ class KVTransferConfig:
             raise ValueError("lease and push deadline must be > 0 seconds")
         if not 4096 <= self.max_chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"max_chunk_bytes must be in [4096, {MAX_CHUNK_BYTES}]")
+        if self.layer_partition is not None and len(self.layer_partition) != self.pp_size:
+            raise ValueError(f"layer partition {list(self.layer_partition)} has "
+                             f"{len(self.layer_partition)} stages, pp_size is {self.pp_size}")
         if self.secret is not None and len(self.secret) < 16:
             raise ValueError(f"{KV_SECRET_ENV} must be at least 16 bytes")
 

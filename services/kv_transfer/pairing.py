@@ -3,8 +3,9 @@
 Order of checks, on both sides of a handshake:
 1. the compat hash, before anything else in the body is parsed; a mismatch is a 409 naming
    every differing factor with both values, and both hashes;
-2. negotiation of what the hash leaves out: role pairing, block size (its own message),
-   pipeline layout (which layers each side holds), transfer mode.
+2. negotiation of what the hash leaves out: role pairing, transfer mode, block size (its own
+   message), pipeline layout: the peer's per-stage layer ranges must cover exactly the layers
+   this side holds (services.kv_transfer.handshake; a 409 naming the missing layers).
 With `allow_incompatible` a hash mismatch is logged loudly on every pairing instead.
 
 Before all of that, HMAC authentication (on when a secret is configured): every handshake and
@@ -27,6 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from services.kv_transfer.errors import AuthenticationError, ConflictError
+from services.kv_transfer.handshake import check_layer_coverage, check_own_ranges
 from shared.protocol.codec import EnvelopeReader, Message, seal
 from shared.protocol.compat import CompatFactors, diff_factors
 from shared.protocol.messages import NodeInfo
@@ -46,6 +48,10 @@ class KVIdentity:
         object.__setattr__(self, "compat_hash", self.factors.hash)
         if self.node.transfer_mode != self.factors.transfer_mode:
             raise ValueError("node and factors disagree on the transfer mode")
+        if self.node.layer_end > self.factors.num_layers:
+            raise ValueError(f"KV service holds layers up to {self.node.layer_end}, the model "
+                             f"has {self.factors.num_layers}")
+        check_own_ranges(self.node)
 
     def seal(self, msg: Message) -> bytes:
         return seal(self.compat_hash, self.factors.to_wire(), msg)
@@ -95,12 +101,7 @@ def negotiate(local: NodeInfo, remote: NodeInfo) -> None:
             "tokens per block. The compat hash matched, but blocks are copied 1:1, so both "
             "workers need the same --block-size.", param="block_size",
             code="kv_block_size_mismatch")
-    if (local.layer_start, local.layer_end) != (remote.layer_start, remote.layer_end):
-        raise ConflictError(
-            f"KV pipeline layout differs: local holds layers [{local.layer_start}, "
-            f"{local.layer_end}) of pp={local.pp_size}, remote [{remote.layer_start}, "
-            f"{remote.layer_end}) of pp={remote.pp_size}; KV moves only between stages that "
-            "hold the same layers.", param="pp_size", code="kv_pipeline_mismatch")
+    check_layer_coverage(local, remote)  # the stages' union is exactly our layers
     if local.num_blocks < 1 or remote.num_blocks < 1:
         raise ConflictError("a KV peer has no cache blocks", code="kv_capacity_mismatch")
 

@@ -4,14 +4,20 @@ The router issues one `transfer_id` and sends both legs concurrently.
 Decode worker (knows the prompt length after tokenizing):
     kv = await service.push.receive(transfer_id, prefill_kv_address, num_prompt_tokens)
     -> engine.add_request(..., prefilled=PrefilledKV(kv.block_ids, kv.num_tokens, ...))
-Prefill worker, after a `hold_kv=True` request finished its prompt:
-    await service.push.send(transfer_id, request_id, held_block_ids, num_tokens, first_token)
+Prefill worker, when the request arrives (its prompt length known), before it runs:
+    stream = service.push.open(transfer_id, num_prompt_tokens)
+    -> engine request with hold_kv=True and on_kv_progress=stream.feed (blocks stream out
+       while chunked prefill computes the rest of the prompt)
+and once the prompt finished:
+    await service.push.send(transfer_id, request_id, held_block_ids, num_tokens, first_token,
+                            stream=stream)   # (no stream: everything is written now)
     (the held blocks are released when it returns or raises)
 
 The decode registers its pre-allocated blocks (POST /kv/v1/push/register, see push_receive);
-the prefill's `send` takes that registration from a `Rendezvous` (either may come first,
-bounded by the push deadline), writes the blocks chunk by chunk (POST /kv/v1/push/write) and
-finishes with their digests and the first token (POST /kv/v1/push/complete). On failure the
+the prefill's stream takes that registration from a `Rendezvous` (either may come first,
+bounded by the push deadline), writes blocks chunk by chunk as they are computed (POST
+/kv/v1/push/write; push_stream.py) and finishes with their digests and the first token
+(POST /kv/v1/push/complete). On failure the
 other leg is told at once (POST /kv/v1/push/abort), so neither waits out a deadline for a peer
 that already gave up.
 """
@@ -26,19 +32,11 @@ from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
 
 from services.common.errors import ApiError
-from services.kv_transfer.blocks import iter_chunks
 from services.kv_transfer.errors import ConflictError, GatewayTimeoutError, GoneError, PeerError
 from services.kv_transfer.push_receive import PushReceiver
+from services.kv_transfer.push_stream import PushStream
 from services.kv_transfer.transfer import KVContext, KVTransfer, PulledKV
-from shared.protocol.messages import (
-    Ack,
-    PushAbort,
-    PushComplete,
-    PushRegister,
-    PushWrite,
-    TokenLogprobWire,
-)
-from shared.protocol.tensors import RowDigester
+from shared.protocol.messages import Ack, PushAbort, PushRegister, TokenLogprobWire
 
 log = logging.getLogger("pdmesh.kv_transfer")
 
@@ -53,11 +51,15 @@ class PushTransfer(KVTransfer):
         self.sender = PushSender(ctx, self.mode)
         self.receiver = PushReceiver(ctx, self.mode)
 
+    def open(self, transfer_id: str, num_tokens: int,
+             decode_engine_id: str | None = None) -> PushStream:
+        return self.sender.open(transfer_id, num_tokens, decode_engine_id)
+
     async def send(self, transfer_id: str, request_id: str, block_ids: list[int],
                    num_tokens: int, first_token: TokenLogprobWire,
-                   decode_engine_id: str | None = None) -> int:
+                   decode_engine_id: str | None = None, stream: PushStream | None = None) -> int:
         return await self.sender.send(transfer_id, request_id, block_ids, num_tokens,
-                                      first_token, decode_engine_id)
+                                      first_token, decode_engine_id, stream)
 
     async def receive(self, transfer_id: str, prefill_address: str, num_tokens: int,
                       prefill_engine_id: str | None = None) -> PulledKV:
@@ -89,6 +91,11 @@ class PushTransfer(KVTransfer):
         # Senders (and declines) waiting for a registration give up now, not at the deadline.
         self.sender.registrations.close(GoneError("the KV service is shutting down",
                                                   code="kv_shutting_down"))
+        streams = list(self.sender.streams.values())
+        for stream in streams:  # each tells its decode (when registered) before we drain
+            stream.abort("the KV service is shutting down")
+        if streams:  # bounded: a stream still waiting for a registration may not see close
+            await asyncio.wait([s.task for s in streams], timeout=5.0)
 
     @property
     def held_blocks(self) -> int:
@@ -96,61 +103,74 @@ class PushTransfer(KVTransfer):
 
 
 class PushSender:
-    """Registrations waiting for their prompt, and the write loop."""
+    """Registrations waiting for their prompt, and the open streams (push_stream.py)."""
 
     def __init__(self, ctx: KVContext, mode: str) -> None:
         self.ctx = ctx
         self.mode = mode
         self.registrations: Rendezvous[PushRegister] = Rendezvous(
             ctx.config.push_deadline_seconds, ctx.clock)
-        self._holding: dict[str, int] = {}  # request id -> held blocks, while sending
+        self.streams: dict[str, PushStream] = {}  # transfer id -> open stream
+        self._holding: dict[str, int] = {}  # request id -> held blocks, while finishing
 
     def register(self, msg: PushRegister) -> Ack:
         self.registrations.offer(msg.transfer_id, msg)
         return Ack()
 
     def abort(self, msg: PushAbort) -> Ack:
-        self.registrations.fail(msg.transfer_id, PeerError(
-            410, f"decode aborted transfer {msg.transfer_id}: {msg.reason}", "kv_push_aborted"))
+        exc = PeerError(410, f"decode aborted transfer {msg.transfer_id}: {msg.reason}",
+                        "kv_push_aborted")
+        stream = self.streams.get(msg.transfer_id)
+        if stream is not None and stream.registration is not None:
+            stream.peer_aborted(exc)  # mid-stream: its registration was taken already
+        else:
+            self.registrations.fail(msg.transfer_id, exc)
         return Ack()
+
+    def open(self, transfer_id: str, num_tokens: int,
+             decode_engine_id: str | None = None) -> PushStream:
+        """Start a transfer before the prompt runs: the stream takes the decode's
+        registration and writes blocks as `stream.feed` reports them computed."""
+        if transfer_id in self.streams:
+            raise ConflictError(f"transfer {transfer_id!r} already has a sender",
+                                code="kv_duplicate")
+        take = asyncio.ensure_future(self.registrations.take(
+            transfer_id, self.ctx.config.push_deadline_seconds))
+        stream = PushStream(self.ctx, self.mode, transfer_id, num_tokens, take, decode_engine_id)
+        self.streams[transfer_id] = stream
+        stream.task.add_done_callback(lambda t: self._closed(transfer_id, stream, t))
+        return stream
+
+    def _closed(self, transfer_id: str, stream: PushStream, task: asyncio.Task) -> None:
+        if self.streams.get(transfer_id) is stream:
+            del self.streams[transfer_id]
+        if not task.cancelled() and task.exception() is not None:  # retrieved: finish re-raises
+            log.debug("push stream %s ended: %s", transfer_id, task.exception())
 
     async def send(self, transfer_id: str, request_id: str, block_ids: list[int],
                    num_tokens: int, first_token: TokenLogprobWire,
-                   decode_engine_id: str | None = None) -> int:
+                   decode_engine_id: str | None = None, stream: PushStream | None = None) -> int:
         """Push a finished prompt's held blocks to the decode that registered `transfer_id`
-        (which must be `decode_engine_id` when the router named one).
+        (which must be `decode_engine_id` when the router named one): through `stream` when
+        it was opened at arrival (the blocks written early are not written again).
 
         Returns the bytes written. The held blocks are released however this ends.
         """
-        ctx, start = self.ctx, time.perf_counter()
-        reg: PushRegister | None = None
+        start = time.perf_counter()
         self._holding[request_id] = len(block_ids)
         try:
-            reg = await self.registrations.take(transfer_id, ctx.config.push_deadline_seconds)
-            if decode_engine_id is not None and reg.engine_id != decode_engine_id:
-                raise ConflictError(f"transfer {transfer_id} was registered by engine "
-                                    f"{reg.engine_id}, not {decode_engine_id}",
-                                    code="kv_push_wrong_sender")
-            address = f"{reg.kv_host}:{reg.kv_port}"
-            await ctx.peers.connect(address, reg.engine_id)
-            if reg.num_tokens != num_tokens or len(reg.block_ids) != len(block_ids):
-                raise ConflictError(
-                    f"transfer {transfer_id}: decode registered {len(reg.block_ids)} blocks for "
-                    f"{reg.num_tokens} tokens, prefill has {len(block_ids)} for {num_tokens}",
-                    code="kv_push_shape_mismatch")
-            nbytes, digests = await self._write_all(address, transfer_id, block_ids)
-            done = PushComplete(ctx.identity.node.engine_id, transfer_id, num_tokens,
-                                first_token, digests)
-            await ctx.peers.call(address, "/kv/v1/push/complete", done, Ack)
-        except BaseException as exc:
-            ctx.metrics.failed(self.mode, exc.code if isinstance(exc, ApiError) else type(exc).__name__)
-            if reg is not None:  # tell the decode now, in the background
-                ctx.detach(self._notify_abort(reg, str(exc)), "push abort to decode")
-            raise
+            if stream is None:
+                stream = self.open(transfer_id, num_tokens, decode_engine_id)
+            elif stream.num_tokens != num_tokens:
+                stream.abort("the prompt length changed")
+                raise ConflictError(f"transfer {transfer_id}: opened for {stream.num_tokens} "
+                                    f"tokens, finished with {num_tokens}",
+                                    code="kv_push_shape_mismatch")
+            nbytes = await stream.finish(block_ids, first_token)
         finally:
             del self._holding[request_id]
-            await ctx.settle(ctx.store.release_held(request_id), f"release {request_id}")
-        ctx.metrics.observe(self.mode, "send", time.perf_counter() - start, nbytes)
+            await self.ctx.settle(self.ctx.store.release_held(request_id), f"release {request_id}")
+        self.ctx.metrics.observe(self.mode, "send", time.perf_counter() - start, nbytes)
         return nbytes
 
     async def decline(self, transfer_id: str, reason: str) -> None:
@@ -159,26 +179,11 @@ class PushSender:
         try:
             reg = await self.registrations.take(transfer_id, self.ctx.config.push_deadline_seconds)
             await self.ctx.peers.connect(f"{reg.kv_host}:{reg.kv_port}", reg.engine_id)
-            await self._notify_abort(reg, reason)
+            msg = PushAbort(self.ctx.identity.node.engine_id, reg.transfer_id, reason[:500])
+            await self.ctx.peers.call(f"{reg.kv_host}:{reg.kv_port}", "/kv/v1/push/abort",
+                                      msg, Ack)
         except ApiError as exc:
             log.debug("declined push %s ended: %s", transfer_id, exc.message)
-
-    async def _write_all(self, address: str, transfer_id: str,
-                         block_ids: list[int]) -> tuple[int, list[str]]:
-        """POST every chunk, digesting the blocks on the way."""
-        ctx, geo = self.ctx, self.ctx.geometry
-        digester = RowDigester(len(block_ids), geo.block_shape, geo.itemsize)
-        sent = 0
-        for out in iter_chunks(ctx.store.kv_cache, block_ids, geo, ctx.config.max_chunk_bytes,
-                               digester):
-            msg = PushWrite(ctx.identity.node.engine_id, transfer_id, out.header)
-            await ctx.peers.call(address, "/kv/v1/push/write", msg, Ack, trailing=out.payload)
-            sent += len(out.payload)
-        return sent, [d or "" for d in digester.digests]
-
-    async def _notify_abort(self, reg: PushRegister, reason: str) -> None:
-        msg = PushAbort(self.ctx.identity.node.engine_id, reg.transfer_id, reason[:500])
-        await self.ctx.peers.call(f"{reg.kv_host}:{reg.kv_port}", "/kv/v1/push/abort", msg, Ack)
 
     @property
     def held_blocks(self) -> int:

@@ -1,8 +1,11 @@
 """Push mode, decode side: pre-allocate, register with the prefill, receive writes.
 
 `receive` opens a slot for the transfer id, registers it with the prefill and waits for the
-prefill's completion, at most the push deadline. If the prefill never reports, the slot is
-closed and the pre-allocated blocks are freed (the upstream leak this design avoids). A slot
+prefill's completion, at most the push deadline *since the prefill last showed progress*:
+every write restarts it, because a push prefill writes blocks while its prompt is still
+computing (a long prompt under load may take longer than the deadline in all). If the
+prefill goes quiet that long, the slot is closed and the pre-allocated blocks are freed (the
+upstream leak this design avoids); the worker's reclaim deadline bounds the whole wait. A slot
 is always closed *before* its blocks are freed, so a late write gets 410 instead of landing
 in blocks that may already belong to another request.
 """
@@ -32,6 +35,7 @@ class _Slot:
     block_ids: list[int]
     sink: BlockSink
     done: asyncio.Future[PushComplete]
+    last_write: float = 0.0  # monotonic time of the latest write (restarts the deadline)
 
 
 class PushReceiver:
@@ -53,7 +57,9 @@ class PushReceiver:
         return slot
 
     def write(self, msg: PushWrite, payload: memoryview) -> Ack:
-        self._open(msg.transfer_id, msg.engine_id).sink.accept(msg.chunk, payload)
+        slot = self._open(msg.transfer_id, msg.engine_id)
+        slot.sink.accept(msg.chunk, payload)
+        slot.last_write = time.monotonic()
         return Ack()
 
     def complete(self, msg: PushComplete) -> Ack:
@@ -109,19 +115,28 @@ class PushReceiver:
         reg = PushRegister(node.engine_id, transfer_id, slot.block_ids, num_tokens,
                            node.kv_host, node.kv_port)
         await ctx.peers.call(address, "/kv/v1/push/register", reg, Ack)
-        try:
-            done = await asyncio.wait_for(asyncio.shield(slot.done),
-                                          ctx.config.push_deadline_seconds)
-        except TimeoutError:
-            raise GatewayTimeoutError(
-                f"transfer {transfer_id!r}: the prefill did not deliver within "
-                f"{ctx.config.push_deadline_seconds:.1f}s; pre-allocated blocks freed",
-                code="kv_push_deadline") from None
+        done = await self._wait_done(transfer_id, slot)
         if done.num_tokens != num_tokens:
             raise ConflictError(f"prefill pushed {done.num_tokens} tokens, expected {num_tokens}",
                                 code="kv_push_shape_mismatch")
         slot.sink.verify(done.digests)
         return done
+
+    async def _wait_done(self, transfer_id: str, slot: _Slot) -> PushComplete:
+        """The completion, or 504 once the prefill was quiet for the whole push deadline."""
+        deadline, clock = self.ctx.config.push_deadline_seconds, time.monotonic
+        slot.last_write = clock()
+        while True:
+            left = slot.last_write + deadline - clock()
+            if left <= 0:
+                raise GatewayTimeoutError(
+                    f"transfer {transfer_id!r}: the prefill sent nothing for {deadline:.1f}s "
+                    "(no block, no completion); pre-allocated blocks freed",
+                    code="kv_push_deadline")
+            try:
+                return await asyncio.wait_for(asyncio.shield(slot.done), left)
+            except TimeoutError:
+                continue  # a write may have moved the deadline meanwhile
 
     async def decline(self, transfer_id: str, address: str, engine_id: str | None,
                       reason: str) -> None:

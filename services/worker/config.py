@@ -7,6 +7,7 @@ This module and `services/commands/serve.py` are the only places that look at `o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -50,7 +51,8 @@ class WorkerConfig:
     (an n=4 request counts 4) may be in flight; beyond that requests get 429.
     `served_model_names` are the names clients may send as `model` (empty: `engine.model`);
     the first one is reported back in responses. `kv` is the KV-transfer service of a prefill
-    or decode worker (None for mixed); its role always equals `role`.
+    or decode worker (None for mixed); its role always equals `role`, and its `pp_size` is
+    the pipeline's (a PP prefill's KV service declares each stage's layers in the handshake).
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -69,6 +71,11 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.pipeline.enabled and self.role is WorkerRole.DECODE:
             raise ValueError("--pp-size > 1 works for the mixed and prefill roles, not decode")
+        if self.kv is not None:
+            # The KV service declares one layer range per stage (the handshake checks them).
+            object.__setattr__(self, "kv", dataclasses.replace(
+                self.kv, pp_size=self.pipeline.pp_size,
+                layer_partition=self.pipeline.layer_partition))
         if (self.kv is None) != (self.role is WorkerRole.MIXED):
             need = "needs" if self.kv is None else "has no"
             raise ValueError(f"a {self.role.value} worker {need} KV-transfer settings")

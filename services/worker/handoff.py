@@ -43,6 +43,7 @@ from shared.protocol.codec import to_fields
 from shared.protocol.messages import TokenLogprobWire, prompt_digest
 
 if TYPE_CHECKING:  # torch-heavy; a mixed worker never loads them
+    from services.kv_transfer.push_stream import PushStream
     from services.kv_transfer.transfer import PulledKV
     from services.worker.kv_link import KVLink
 
@@ -58,6 +59,7 @@ class LegState:
     leg: Leg
     request_id: str | None = None
     transferring: bool = False
+    stream: PushStream | None = None  # push prefill: opened at arrival, blocks stream out
 
     @property
     def is_prefill(self) -> bool:
@@ -159,9 +161,17 @@ class Handoff:
             raise BadRequestError("a prefill leg answers with one JSON body; set stream to false",
                                   param="stream")
 
-    @staticmethod
-    def engine_kwargs(state: LegState) -> dict[str, Any]:
-        return {"hold_kv": True} if state.is_prefill else {"wait_for_remote_kv": True}
+    def engine_kwargs(self, state: LegState, num_tokens: int) -> dict[str, Any]:
+        """The engine request's P/D keywords. A push prefill opens its stream here, before
+        the prompt runs, so full blocks go out while chunked prefill computes the rest
+        (engines without per-step KV progress, e.g. pipeline-parallel, push at the end)."""
+        leg = state.leg
+        if not isinstance(leg, PrefillLeg):
+            return {"wait_for_remote_kv": True}
+        if leg.transfer_id is None or not getattr(self.engine, "streams_kv_progress", False):
+            return {"hold_kv": True}
+        state.stream = self.service.push.open(leg.transfer_id, num_tokens, leg.decode_engine_id)
+        return {"hold_kv": True, "on_kv_progress": state.stream.feed}
 
     def arrive(self, state: LegState) -> None:
         """Pull decode: heartbeat the prefill's lease from arrival until the request ends."""
@@ -182,7 +192,9 @@ class Handoff:
         if isinstance(leg, PrefillLeg):
             if state.request_id is not None:  # after the engine's abort (FIFO commands)
                 ctx.detach(self.link.store.release_held(state.request_id), "release held KV")
-            if leg.transfer_id is not None:
+            if state.stream is not None:
+                state.stream.abort(reason)  # it tells the decode (once registered)
+            elif leg.transfer_id is not None:
                 self.service.push.decline_send(leg.transfer_id, reason)
         elif isinstance(leg, PullDecodeLeg):
             self.service.pull.decline(leg.params)
@@ -222,13 +234,21 @@ class Handoff:
                                                    prompt_digest(prompt))
             return params.to_json()
         num_bytes = await self.service.push.send(leg.transfer_id, request_id, ids, len(prompt),
-                                                 first, leg.decode_engine_id)
+                                                 first, leg.decode_engine_id, state.stream)
         node = self.service.identity.node
         return {"transfer_mode": "push", "transfer_id": leg.transfer_id,
                 "remote_engine_id": node.engine_id, "remote_host": node.kv_host,
                 "remote_port": node.kv_port, "num_tokens": len(prompt), "num_bytes": num_bytes,
                 "first_token": to_fields(first), "do_remote_prefill": True,
-                "do_remote_decode": False}
+                "do_remote_decode": False, "push_overlap": self._overlap(state, len(ids))}
+
+    @staticmethod
+    def _overlap(state: LegState, num_blocks: int) -> dict[str, Any]:
+        """How much of the push was hidden behind compute (blocks written before the
+        prompt finished) and what stayed exposed after it."""
+        stats = state.stream.stats if state.stream is not None else None
+        return {"blocks": num_blocks, "early_blocks": stats.early_blocks if stats else 0,
+                "exposed_ms": round(stats.finish_seconds * 1000, 3) if stats else None}
 
     # ---- decode ------------------------------------------------------------------------
     async def load(self, state: LegState, prompt: list[int], wants_logprobs: bool) -> KVLoad:

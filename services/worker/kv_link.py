@@ -6,12 +6,17 @@ releases every lease still held, through the engine. The KV app listens on its o
 (`--kv-port`, 0 = ephemeral); the port actually bound is what metadata and
 kv_transfer_params publish. The service's engine id is the engine's own id, so one id names
 the worker in /v1/metadata, in kv_transfer_params and in handshakes.
+
+Expired leases are reaped after every engine step (a step listener on the event loop), so a
+lease that ran out frees its blocks before the scheduler's next decision; the service's
+timer remains the backstop while the engine is idle (no steps).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +40,7 @@ class KVLink:
     service: KVTransferService
     store: EngineBlockStore
     runner: web.AppRunner
+    detach_steps: Callable[[], None] | None = None
 
     @classmethod
     async def start(cls, config: WorkerConfig, engine: EngineClient,
@@ -54,10 +60,12 @@ class KVLink:
         node = service.identity.node
         log.info("KV transfer (%s, %s mode) on %s:%d, compat hash %s", node.role,
                  node.transfer_mode, config.kv.host, node.kv_port, service.identity.compat_hash)
-        return cls(service, store, runner)
+        return cls(service, store, runner, reap_on_engine_steps(engine, service))
 
     async def close(self) -> None:
         """Stop the KV app; its cleanup releases every lease (needs the engine still up)."""
+        if self.detach_steps is not None:
+            self.detach_steps()
         await self.runner.cleanup()
 
     def metadata(self) -> dict[str, Any]:
@@ -82,5 +90,14 @@ class KVLink:
                 "held_blocks": transfer.held_blocks,
                 "oldest_lease_age_seconds": transfer.oldest_age(),
                 "auth": cfg.secret is not None,
+                "pp_size": node.pp_size,
+                "layer_ranges": [list(r) for r in node.stage_ranges],
             },
         }
+
+
+def reap_on_engine_steps(engine: Any, service: KVTransferService) -> Callable[[], None] | None:
+    """Reap the service's expired leases (and stale push registrations) after every engine
+    step; returns the remover, or None for an engine without step listeners."""
+    add = getattr(engine, "add_step_listener", None)
+    return add(service.transfer.reap) if add is not None else None

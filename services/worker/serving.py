@@ -172,7 +172,7 @@ class GenerationService:
             assert self.handoff is not None
             self.handoff.check(leg.leg, len(jobs), stream)
             leg.request_id = jobs[0].engine_request_id
-            kwargs = self.handoff.engine_kwargs(leg)
+            kwargs = self.handoff.engine_kwargs(leg, len(spec.prompts[0].token_ids))
         with self.admission.admit(len(jobs)):
             states = {job.index: ChoiceState(job) for job in jobs}
             timers = {job.index: ChoiceTimer(self.metrics, arrival,

@@ -4,7 +4,9 @@ Threading model: the engine thread owns the LLMEngine. Other threads never touch
 append commands (add, abort, call_in_engine) to a queue guarded by a Condition, and the
 thread runs them between steps. When there is nothing to compute the thread sleeps on the
 Condition (no busy spin). Outputs go back with ONE `loop.call_soon_threadsafe` per step,
-which puts each RequestOutput into its request's asyncio.Queue.
+which puts each RequestOutput into its request's asyncio.Queue, hands that step's KV
+progress (full prompt blocks of `on_kv_progress` requests) to their listeners, and then runs
+the step listeners (the KV service reaps expired leases there: once per engine step).
 If a step raises, the thread fails every in-flight request with an ERROR output, marks the
 engine unhealthy and exits; later calls raise EngineDeadError.
 """
@@ -22,6 +24,7 @@ from typing import Any, TypeVar
 
 from shared.config import EngineConfig
 from shared.engine.engine import EngineStats, LLMEngine
+from shared.engine.kv_stream import KVProgress
 from shared.engine.outputs import FinishReason, RequestOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.model.config import ModelConfig
@@ -63,6 +66,8 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._stats: EngineStats | None = None
         self._waiters: set[asyncio.Future[Any]] = set()  # pending call_in_engine results
+        self._kv_listeners: dict[str, Callable[[KVProgress], None]] = {}
+        self._step_listeners: list[Callable[[], None]] = []
 
     # ---- life cycle ------------------------------------------------------------------------
     async def start(self, engine: LLMEngine | None = None) -> None:
@@ -113,7 +118,7 @@ class AsyncEngine:
                         engine.abort_request(rid)
                 outputs = engine.step()
                 self._stats = engine.stats()
-                self._deliver(outputs)
+                self._deliver(outputs, engine.take_kv_progress(), step=True)
                 if stopping:
                     self._close("the engine was shut down")
                     return
@@ -130,18 +135,27 @@ class AsyncEngine:
             self._commands.clear()
         self._fail_orphans(error)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        if outputs and self._loop is not None:
+    def _deliver(self, outputs: list[RequestOutput], progress: list[KVProgress] | None = None,
+                 step: bool = False) -> None:
+        """Hand one step's results to the loop (one call); `step` also runs step listeners."""
+        if (outputs or progress or step) and self._loop is not None:
             try:
-                self._loop.call_soon_threadsafe(self._put, outputs)
+                self._loop.call_soon_threadsafe(self._put, outputs, progress or [], step)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
-    def _put(self, outputs: list[RequestOutput]) -> None:
+    def _put(self, outputs: list[RequestOutput], progress: list[KVProgress], step: bool) -> None:
+        # Progress first: a listener sees a request's blocks before its final output.
+        for report in progress:
+            listener = self._kv_listeners.get(report.request_id)
+            if listener is not None:
+                _call_listener(listener, report)
         for out in outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
+        for fn in self._step_listeners if step else ():
+            _call_listener(fn)
 
     def _fail_orphans(self, error: str) -> None:
         """Error outputs for streams whose request never reached the engine, and
@@ -165,11 +179,24 @@ class AsyncEngine:
             self._cond.notify()
 
     # ---- public API ------------------------------------------------------------------------
+    @property
+    def streams_kv_progress(self) -> bool:
+        """Whether generate(on_kv_progress=...) reports blocks during the prompt: engines
+        with a KV progress tracker do; for others the listener is dropped and the KV goes
+        out once the prompt finished."""
+        return self.engine is not None and self.engine.kv_stream is not None
+
+    def add_step_listener(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call `fn()` on the event loop after every engine step; returns the remover."""
+        self._step_listeners.append(fn)
+        return lambda: self._step_listeners.remove(fn) if fn in self._step_listeners else None
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, **kw: Any) -> AsyncIterator[RequestOutput]:
         """Incremental outputs until one with `finished`; kw go to LLMEngine.add_request
-        (hold_kv, prefilled, arrival_time). Raises ValueError for an invalid request and
-        EngineDeadError when the engine is down."""
+        (hold_kv, prefilled, arrival_time). `on_kv_progress=fn` (with hold_kv) streams the
+        prompt's KV: fn(KVProgress) is called on the loop as full blocks are computed.
+        Raises ValueError for an invalid request and EngineDeadError when the engine is down."""
         if self.engine is None:
             raise EngineDeadError("the engine is not started")
         self.engine.validate(prompt_token_ids, params)
@@ -177,6 +204,10 @@ class AsyncEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue
+        listener = kw.pop("on_kv_progress", None)
+        if listener is not None and self.streams_kv_progress:
+            self._kv_listeners[request_id] = listener
+            kw["stream_kv"] = True
         finished = False
         try:
             self._submit(lambda e: self._add(e, request_id, list(prompt_token_ids), params, kw))
@@ -186,6 +217,7 @@ class AsyncEngine:
                 yield out
         finally:
             self._queues.pop(request_id, None)
+            self._kv_listeners.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
 
@@ -229,6 +261,14 @@ class AsyncEngine:
         if self._stats is None:
             raise EngineDeadError("the engine is not started")
         return self._stats
+
+
+def _call_listener(fn: Callable[..., None], *args: Any) -> None:
+    """A listener's failure is its own bug: log it, never let it break output delivery."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001
+        log.exception("engine listener %r failed", fn)
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from shared.config import EngineConfig
 from shared.engine.block_manager import KVCacheManager
+from shared.engine.kv_stream import KVProgress, KVStreamTracker
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.outputs import RequestOutput
 from shared.engine.request import PrefilledKV, Request, RequestStatus
@@ -53,6 +54,10 @@ class LLMEngine:
     max_num_batched_tokens, so that any single request always fits.
     """
 
+    # Per-step KV progress of stream_kv requests (None: a subclass that skips __init__ and
+    # has its own step, e.g. the pipeline engine, which reports none).
+    kv_stream: KVStreamTracker | None = None
+
     def __init__(self, config: EngineConfig, model: CausalLM, model_config: ModelConfig,
                  tokenizer: Tokenizer, *, model_dir: Path | None = None,
                  fingerprint: str = "") -> None:
@@ -72,6 +77,7 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len)
+        self.kv_stream = KVStreamTracker(config.block_size)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
         self.last_num_scheduled_tokens = 0
         self._pending: list[RequestOutput] = []  # outputs produced between steps
@@ -119,13 +125,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, hold_kv: bool = False, prefilled: PrefilledKV | None = None,
                     wait_for_remote_kv: bool = False, arrival_time: float | None = None,
-                    ) -> Request:
+                    stream_kv: bool = False) -> Request:
         """Queue a request.
 
         hold_kv: when it finishes normally its blocks are kept until `release_held`.
         prefilled: it starts from KV already in `prefilled.block_ids` (which it then owns).
         wait_for_remote_kv: it waits (WAITING_FOR_REMOTE_KV, abortable, never scheduled)
         until `remote_kv_ready` hands it its prefilled KV.
+        stream_kv (with hold_kv): report its full prompt blocks as they are computed
+        (`take_kv_progress`), so a push prefill can send them while the prompt still runs.
         """
         self.validate(prompt_token_ids, params)
         if request_id in self.scheduler.requests:
@@ -134,6 +142,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} still holds KV blocks")
         if prefilled is not None and wait_for_remote_kv:
             raise ValueError("prefilled and wait_for_remote_kv are exclusive")
+        if stream_kv and not hold_kv:
+            raise ValueError("stream_kv needs hold_kv (the blocks must outlive the request)")
+        if stream_kv and self.kv_stream is None:
+            raise ValueError("this engine does not report KV progress (stream_kv)")
         extra = {} if arrival_time is None else {"arrival_time": arrival_time}
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids,
                       hold_kv=hold_kv, **extra)
@@ -143,6 +155,8 @@ class LLMEngine:
             req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.scheduler.add_request(req)
         self.output_processor.add_request(req)
+        if stream_kv and self.kv_stream is not None:
+            self.kv_stream.track(req)
         if req.output_token_ids:  # the prefilled first token is emitted first
             self._emit(req)
         return req
@@ -180,6 +194,8 @@ class LLMEngine:
                       error: str | None = None) -> bool:
         """Finish a request now (its blocks are freed at once); its final output is emitted
         by the next step(). Unknown or finished ids are ignored."""
+        if self.kv_stream is not None:
+            self.kv_stream.forget(request_id)
         req = self.scheduler.finish_request(request_id, status)
         if req is None:
             return False
@@ -217,9 +233,15 @@ class LLMEngine:
             outputs.append(self.output_processor.process(req))
             if req.is_finished:
                 self.scheduler.finish_request(req.request_id, req.status)
+        if self.kv_stream is not None:
+            self.kv_stream.collect(batch.requests)
         return outputs
 
     # ---- P/D hooks (engine thread only) ----------------------------------------------------
+    def take_kv_progress(self) -> list[KVProgress]:
+        """Full prompt blocks newly computed for `stream_kv` requests since the last call."""
+        return self.kv_stream.take() if self.kv_stream is not None else []
+
     def held_block_ids(self, request_id: str) -> list[int] | None:
         return self.kv.held_block_ids(request_id)
 

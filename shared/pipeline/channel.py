@@ -14,6 +14,7 @@ can read every stage's traffic live.
 
 from __future__ import annotations
 
+import socket
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,11 +52,37 @@ def _create_gloo(store: dist.Store, rank: int, size: int,
     return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
+def bind_listener(addr: str, port: int) -> socket.socket:
+    """A listening TCP socket on `addr` only (port 0: any free one)."""
+    infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    if not infos:
+        raise PipelineError(f"cannot resolve the pipeline address {addr!r}")
+    family, _, _, _, sockaddr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart on a fixed port
+        sock.bind(sockaddr)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def open_store(addr: str, port: int, world_size: int, *, is_master: bool,
                timeout_s: float) -> dist.TCPStore:
-    """The rendezvous store; port 0 on the master picks a free one (read `store.port`)."""
-    return dist.TCPStore(addr, port, world_size, is_master, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    """The rendezvous store; port 0 on the master picks a free one (read `store.port`).
+
+    The master's server listens on `addr` only: TCPStore's own server binds every interface
+    (`*:port`), so the master binds the socket itself and hands the store its descriptor,
+    which the store then owns (and closes)."""
+    timeout = timedelta(seconds=timeout_s)
+    if not is_master:
+        return dist.TCPStore(addr, port, world_size, False, timeout=timeout)
+    sock = bind_listener(addr, port)
+    bound_port = sock.getsockname()[1]
+    return dist.TCPStore(addr, bound_port, world_size, True, timeout=timeout,
+                         wait_for_workers=False, master_listen_fd=sock.detach())
 
 
 def join_group(store: dist.TCPStore, addr: str, rank: int, world_size: int) -> None:

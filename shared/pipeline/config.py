@@ -22,13 +22,28 @@ def parse_partition(text: str | None) -> tuple[int, ...] | None:
     return sizes
 
 
+def even_layer_ranges(start: int, end: int, parts: int) -> tuple[tuple[int, int], ...]:
+    """Layers [start, end) split into `parts` contiguous ranges, the remainder going to the
+    first ones (the default layout of every stage split, also what a KV peer assumes)."""
+    if parts < 1 or end - start < parts:
+        raise ValueError(f"cannot split layers [{start}, {end}) into {parts} non-empty stages")
+    base, extra = divmod(end - start, parts)
+    ranges, lo = [], start
+    for i in range(parts):
+        hi = lo + base + (1 if i < extra else 0)
+        ranges.append((lo, hi))
+        lo = hi
+    return tuple(ranges)
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """One pipeline: `pp_size` stages joined by torch.distributed (gloo) on loopback.
 
     layer_partition: decoder layers per stage (sums to the model's layer count, each >= 1);
         None splits evenly, giving the remainder to the first stages (the last one also
-        runs the lm_head). master_port 0 lets the TCP store pick a free port.
+        runs the lm_head). master_addr is the only address the stages listen on (the
+        TCP store and gloo; loopback by default); master_port 0 picks a free port.
     connect_timeout_s bounds start-up: the rendezvous and every stage loading its layers.
     step_timeout_s bounds any single wait inside a step (a stage's reply, a send draining);
         past it the stage counts as hung and the pipeline fails.
@@ -64,13 +79,21 @@ class PipelineConfig:
     def enabled(self) -> bool:
         return self.pp_size > 1
 
+    @property
+    def is_even(self) -> bool:
+        """True when the stages get the even split (no partition, or one equal to it)."""
+        if self.layer_partition is None:
+            return True
+        total = sum(self.layer_partition)
+        return self.layer_partition == tuple(
+            b - a for a, b in even_layer_ranges(0, total, self.pp_size))
+
     def layer_counts(self, num_layers: int) -> tuple[int, ...]:
         """Layers per stage for a model with num_layers; raises ValueError if impossible."""
         if self.pp_size > num_layers:
             raise ValueError(f"pp_size {self.pp_size} exceeds the model's {num_layers} layers")
         if self.layer_partition is None:
-            base, extra = divmod(num_layers, self.pp_size)
-            return tuple(base + (1 if i < extra else 0) for i in range(self.pp_size))
+            return tuple(b - a for a, b in even_layer_ranges(0, num_layers, self.pp_size))
         if sum(self.layer_partition) != num_layers:
             raise ValueError(f"layer partition {list(self.layer_partition)} sums to "
                              f"{sum(self.layer_partition)}, the model has {num_layers} layers")

@@ -9,7 +9,8 @@ processor, and the first layers. One `step()` is one lane's turn (round robin):
 While the last stage samples lane A's step, stage 0 schedules and runs lane B's: with N lanes
 every stage is busy. A step whose rows sample nothing (a non-final prefill chunk) posts no
 token receive; an empty schedule posts nothing at all. With `blocking_handoff` stage 0 waits
-for the tokens right after the send instead (the benchmark baseline).
+for the tokens right after the send instead (the benchmark baseline). A push prefill's
+streamed prompt blocks are reported only once every stage has written them (StageKVGate).
 
 A stage that dies or stalls past `step_timeout_s` raises PipelineError out of `step()`: the
 pipeline is marked FAILED, its stages are killed, its handoffs abandoned; the AsyncEngine
@@ -27,6 +28,7 @@ import torch
 from shared.config import EngineConfig
 from shared.engine.block_manager import KVCacheManager
 from shared.engine.engine import LLMEngine
+from shared.engine.kv_stream import KVStreamTracker
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.outputs import RequestOutput, TokenLogprob
 from shared.engine.request import Request, RequestStatus
@@ -39,6 +41,7 @@ from shared.pipeline.channel import StageChannel, new_counters
 from shared.pipeline.config import PipelineConfig
 from shared.pipeline.events import EventKind, PipelineHooks
 from shared.pipeline.handoff import HandoffLedger, PipelineError
+from shared.pipeline.kv_gate import StageKVGate
 from shared.pipeline.lanes import InFlightStep, Lane, LaneScheduler
 from shared.pipeline.launcher import StageGroup
 from shared.pipeline.mirror import MirrorFeed, token_spec
@@ -87,13 +90,15 @@ class PipelineEngine(LLMEngine):
         threads = config.num_threads or max(1, (os.cpu_count() or 1) // pipeline.pp_size)
         torch.set_num_threads(threads)
         self.pipeline, self.hooks = pipeline, hooks or PipelineHooks()
+        self.layer_ranges = ranges  # [(start, end)] of global layers per stage
         self.counters = new_counters(pipeline.pp_size)
         self.ledger = HandoffLedger()
         kv_cache = allocate_shared_cache(config, ckpt.config)
         self._group = StageGroup(pipeline, model_dir=model_dir, dtype=config.dtype,
                                  layer_ranges=ranges, block_size=config.block_size,
                                  seed=config.seed, num_threads=threads, kv_cache=kv_cache,
-                                 counters=self.counters, token_gate=self.hooks.token_gate)
+                                 counters=self.counters, token_gate=self.hooks.token_gate,
+                                 step_gate=self.hooks.step_gate)
         try:
             model, _ = load_model(model_dir, config.dtype, ranges[0])
             self._group.wait_ready()
@@ -124,6 +129,8 @@ class PipelineEngine(LLMEngine):
             enable_chunked_prefill=config.enable_chunked_prefill,
             on_finish=lambda req: self.feed.release(req.request_id))
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len)
+        self.kv_stream = KVStreamTracker(config.block_size)
+        self.kv_gate = StageKVGate(self.kv_stream)  # streamed blocks: final on every stage
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
         self.last_num_scheduled_tokens = 0
         self._pending: list[RequestOutput] = []
@@ -242,6 +249,7 @@ class PipelineEngine(LLMEngine):
             outputs.append(self.output_processor.process(req))
             if req.is_finished:
                 self.scheduler.finish_request(req.request_id, req.status)
+        self.kv_gate.landed(flight.step_id, batch.requests, complete=flight.handoff is not None)
         self._record(EventKind.CONSUME, lane.index, flight.step_id)
         return outputs
 
@@ -257,6 +265,7 @@ class PipelineEngine(LLMEngine):
             for lane in self.scheduler.lanes:
                 lane.inflight = None
             self.ledger.abandon_all()
+            self.kv_gate.clear()
             self._group.stop(graceful=False)
 
     def close(self) -> None:

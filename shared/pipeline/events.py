@@ -66,9 +66,12 @@ class EventLog:
 
 @dataclass(frozen=True)
 class PipelineHooks:
-    """Optional instrumentation. `events` stays in stage 0; `token_gate` (a semaphore from the
-    spawn context, e.g. `torch.multiprocessing.get_context("spawn").Semaphore(0)`) is handed
-    to the last stage."""
+    """Optional instrumentation. `events` stays in stage 0; `token_gate` and `step_gate`
+    (semaphores from the spawn context, e.g. `torch.multiprocessing.get_context("spawn")
+    .Semaphore(0)`) are handed to the last stage, which takes a `token_gate` permit before
+    each token send and a `step_gate` permit before running each step's layers (so a test
+    can hold the last stage's KV writes back)."""
 
     events: EventLog | None = None
     token_gate: Any = field(default=None)
+    step_gate: Any = field(default=None)

@@ -37,7 +37,7 @@ class StageGroup:
     def __init__(self, pipeline: PipelineConfig, *, model_dir: Path, dtype: str,
                  layer_ranges: tuple[tuple[int, int], ...], block_size: int, seed: int,
                  num_threads: int, kv_cache: torch.Tensor, counters: torch.Tensor,
-                 token_gate: Any = None) -> None:
+                 token_gate: Any = None, step_gate: Any = None) -> None:
         self.pipeline = pipeline
         ctx = mp.get_context("spawn")
         self._status = ctx.Queue()
@@ -48,9 +48,9 @@ class StageGroup:
         for rank in range(1, pipeline.pp_size):
             spec = StageSpec(rank, pipeline, self.store.port, Path(model_dir), dtype,
                              layer_ranges[rank], block_size, seed, num_threads)
-            gate = token_gate if spec.is_last else None
+            gates = (token_gate, step_gate) if spec.is_last else (None, None)
             proc = ctx.Process(target=stage_main, name=f"pdmesh-stage-{rank}", daemon=True,
-                               args=(spec, kv_cache, counters, self._status, gate))
+                               args=(spec, kv_cache, counters, self._status, *gates))
             proc.start()
             self.procs[rank] = proc
 

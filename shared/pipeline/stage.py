@@ -99,9 +99,10 @@ class StageWorker:
     """The receive -> forward -> pass on (or sample and post back) loop of ranks >= 1."""
 
     def __init__(self, spec: StageSpec, stage: StageModel, channel: StageChannel,
-                 mirror: SamplingMirror | None, token_gate: Any = None) -> None:
+                 mirror: SamplingMirror | None, token_gate: Any = None,
+                 step_gate: Any = None) -> None:
         self.spec, self.stage, self.channel = spec, stage, channel
-        self.mirror, self.token_gate = mirror, token_gate
+        self.mirror, self.token_gate, self.step_gate = mirror, token_gate, step_gate
 
     def serve(self) -> None:
         """Run steps until a SHUTDOWN message (passed on down the chain) arrives."""
@@ -116,6 +117,8 @@ class StageWorker:
             if not header.slots:
                 raise PipelineError(f"stage {self.spec.rank} received an empty step")
             assert msg.hidden is not None
+            if self.step_gate is not None:  # test hook: hold this stage's KV writes back
+                self.step_gate.acquire(timeout=self.spec.pipeline.step_timeout_s)
             hidden = self.stage.forward(header, msg.hidden)
             if self.mirror is None:
                 self.channel.send_forward(MessageKind.BATCH, msg.lane, msg.header_data, hidden,
@@ -136,7 +139,7 @@ class StageWorker:
 
 
 def stage_main(spec: StageSpec, kv_cache: torch.Tensor, counters: torch.Tensor,
-               status: Any, token_gate: Any = None) -> None:
+               status: Any, token_gate: Any = None, step_gate: Any = None) -> None:
     """Entry point of stage process `spec.rank` (spawned by StageGroup)."""
     from shared.model.loader import load_model
 
@@ -149,7 +152,7 @@ def stage_main(spec: StageSpec, kv_cache: torch.Tensor, counters: torch.Tensor,
                                counters=counters)
         mirror = SamplingMirror(spec.seed, model_config.vocab_size) if spec.is_last else None
         worker = StageWorker(spec, StageModel(model, kv_cache, spec.block_size), channel,
-                             mirror, token_gate)
+                             mirror, token_gate, step_gate)
     except BaseException as exc:
         status.put((spec.rank, f"failed to start: {exc!r}"))
         raise

@@ -22,12 +22,18 @@ from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type
 
 import msgpack
 
-KV_PROTOCOL_VERSION = 1
+KV_PROTOCOL_VERSION = 2
 # Changelog of KV_PROTOCOL_VERSION (bump on any wire or semantic change; it is a compat factor):
 #   1  first version: envelope (hash, version, factors, message); messages {"t","b"}; frames
 #      u32 + header + raw little-endian payload; KV chunks are boxes of the block-major view
 #      [n, L, 2, bs, kvh, hd], at most 4 MiB; block digests are XXH3-128 of a block's bytes.
 #      (still 1, unreleased: kv_transfer_params gained the optional `prompt_digest`.)
+#   2  node_info (handshake, info) gained `layer_ranges`: the [start, end) layers of each
+#      pipeline stage behind a KV service; the handshake rejects ranges that do not tile the
+#      layers. A version-1 peer would reject the new field, so it gets a hash mismatch instead.
+#      Also (same version, unreleased): push writes stream while the prefill still computes,
+#      and a push stream may write a block again (after a preemption on the prefill); the
+#      decode keeps the digest of the latest full write of each block.
 
 MAX_CHUNK_BYTES = 4 * 1024 * 1024  # largest raw payload in one frame or push write
 MAX_HEADER_BYTES = 1024 * 1024

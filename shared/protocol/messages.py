@@ -13,6 +13,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from shared.pipeline.config import even_layer_ranges
 from shared.protocol.codec import Message, ProtocolError, from_fields, to_fields
 
 TRANSFER_MODES = ("pull", "push")
@@ -22,25 +23,54 @@ ROLES = ("prefill", "decode")
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1, "int32": 4, "int64": 8}
 
 
+LayerRange = tuple[int, int]  # global decoder layers [start, end)
+
+
 @dataclass(frozen=True)
 class NodeInfo(Message, tag="node_info"):
     """One side of a pairing: the handshake request (decode in pull, both sides in push)
-    and the negotiable facts that are deliberately not in the compat hash."""
+    and the negotiable facts that are deliberately not in the compat hash.
+
+    The service reads and writes layers [layer_start, layer_end) of its cache. `layer_ranges`
+    says which pipeline stage computed which of them: one [start, end) per stage, in stage
+    order (since protocol version 2). Left empty, it is the even split of [layer_start,
+    layer_end) into `pp_size` stages (PipelineConfig's default), so a PP=1 node declares the
+    single range [layer_start, layer_end). Only the shape is checked here; whether the
+    ranges tile the layers without gap or overlap is negotiated (a 409 naming the layers).
+    """
 
     engine_id: str
     role: str
     transfer_mode: str
     block_size: int
     num_blocks: int
-    layer_start: int  # this KV service holds layers [layer_start, layer_end) (pipeline stage)
+    layer_start: int
     layer_end: int
     pp_size: int
     kv_host: str
     kv_port: int
+    layer_ranges: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.role not in ROLES or self.transfer_mode not in TRANSFER_MODES:
             raise ValueError(f"bad role/mode {self.role!r}/{self.transfer_mode!r}")
+        if not 0 <= self.layer_start < self.layer_end or self.pp_size < 1:
+            raise ValueError(f"bad layer span [{self.layer_start}, {self.layer_end}) or "
+                             f"pp_size {self.pp_size}")
+        ranges = tuple(tuple(r) for r in self.layer_ranges) or even_layer_ranges(
+            self.layer_start, self.layer_end, self.pp_size)
+        if len(ranges) != self.pp_size:
+            raise ValueError(f"{len(ranges)} layer ranges for pp_size {self.pp_size}")
+        for r in ranges:
+            if len(r) != 2 or not 0 <= r[0] < r[1]:
+                raise ValueError(f"layer range {list(r)} is not [start, end) with "
+                                 "0 <= start < end")
+        object.__setattr__(self, "layer_ranges", ranges)
+
+    @property
+    def stage_ranges(self) -> tuple[LayerRange, ...]:
+        """The per-stage ranges as (start, end) pairs (validated in __post_init__)."""
+        return tuple((r[0], r[1]) for r in self.layer_ranges)
 
     @property
     def address(self) -> str:

@@ -145,7 +145,8 @@ class RowDigester:
     `feed(box, payload)` hashes whole rows directly and keeps one running hash for a row that
     arrives in pieces; each piece must start where the previous one ended (checked from its
     box), so the digest always describes the bytes where they were placed. `digests` holds
-    None for a row not yet complete.
+    None for a row not yet complete. A row may be sent again (a push stream restarts after a
+    preemption): its first piece drops the old digest and any other unfinished row.
     """
 
     def __init__(self, num_rows: int, row_shape: tuple[int, ...], itemsize: int) -> None:
@@ -165,6 +166,9 @@ class RowDigester:
         if rows != 1:
             raise ProtocolError(f"a box of {rows} rows carries {len(view)} bytes")
         start = sum(o * s for o, s in zip(box.offset[1:], self._strides, strict=True))
+        if start == 0:  # a row (re)starts: an unfinished one before it stays incomplete
+            self._partial = None
+            self.digests[first] = None
         row, h, seen = self._partial or (first, xxhash.xxh3_128(), 0)
         if row != first or start != seen:
             raise ProtocolError(f"piece of row {first} at byte {start} out of order "

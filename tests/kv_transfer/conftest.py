@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 from kv_helpers import Node, start_node
+
+from shared.model.make_model import ModelSpec, write_checkpoint
+from shared.model.registry import resolve_model
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random-weight checkpoint (untied lm_head) for the tests with real engines."""
+    tokenizer = resolve_model("smollm2-135m-instruct", progress=False)
+    spec = ModelSpec(preset="small", tie_word_embeddings=False, seed=0)
+    return write_checkpoint(tmp_path_factory.mktemp("kv-ckpt"), spec, tokenizer)
 
 
 @pytest.fixture

@@ -83,3 +83,10 @@ def test_fingerprint_files_sees_contents(tmp_path: Path) -> None:
     b.write_bytes(b"\x00" * 99 + b"\x01")
     one = fingerprint_files([a])
     assert one == fingerprint_files([a]) and one != fingerprint_files([b])
+
+
+def test_pipeline_layout_stays_out_of_the_hash() -> None:
+    """Pipeline size and stage layers are negotiated after the hash matched (handshake)."""
+    names = {f.name for f in dataclasses.fields(CompatFactors)}
+    assert not names & {"pp_size", "layer_ranges", "layer_start", "layer_end", "block_size"}
+    assert KV_PROTOCOL_VERSION >= 2  # the version that added per-stage layer_ranges

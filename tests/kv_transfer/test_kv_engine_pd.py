@@ -20,20 +20,11 @@ from shared.config import EngineConfig
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.request import PrefilledKV
 from shared.engine.sampling_params import SamplingParams
-from shared.model.make_model import ModelSpec, write_checkpoint
-from shared.model.registry import resolve_model
 from shared.protocol.compat import ModelKVSpec
 from shared.protocol.messages import TokenLogprobWire
 
 PROMPT = [(7 * i + 11) % 4000 + 3 for i in range(45)]  # 45 tokens: 3 blocks of 16, partial last
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tokenizer = resolve_model("smollm2-135m-instruct", progress=False)
-    spec = ModelSpec(preset="small", tie_word_embeddings=False, seed=0)
-    return write_checkpoint(tmp_path_factory.mktemp("kv-ckpt"), spec, tokenizer)
 
 
 class Worker:

@@ -8,10 +8,13 @@ import msgpack
 import pytest
 from kv_helpers import SECRET, post_raw, small_spec
 
-from services.kv_transfer.errors import ApiError
-from services.kv_transfer.pairing import sign
-from shared.protocol.codec import seal
-from shared.protocol.messages import PullRequest
+from services.kv_transfer.errors import ApiError, ConflictError
+from services.kv_transfer.handshake import check_layer_coverage, layer_coverage
+from services.kv_transfer.pairing import KVIdentity, sign
+from services.kv_transfer.pull import PullTransfer
+from shared.protocol.codec import KV_PROTOCOL_VERSION, seal, to_fields
+from shared.protocol.compat import CompatFactors
+from shared.protocol.messages import NodeInfo, PullRequest
 
 
 async def expect_error(coro, status: int) -> ApiError:
@@ -151,3 +154,94 @@ async def test_info_route_reports_hash_and_factors(nodes) -> None:
         info = decode(await r.read(), ServiceInfo)
     assert info.compat_hash == p.service.identity.compat_hash
     assert info.factors["transfer_mode"] == "pull" and info.node.role == "prefill"
+
+
+# ---- pipeline layout: per-stage layer ranges, negotiated after the hash ----------------------
+
+
+def node_info(role: str, ranges: list[list[int]], *, span: tuple[int, int] = (0, 4),
+              pp_size: int | None = None, engine_id: str = "peer-e") -> NodeInfo:
+    return NodeInfo(engine_id, role, "pull", 4, 64, span[0], span[1],
+                    pp_size or len(ranges), "127.0.0.1", 1,
+                    tuple(tuple(r) for r in ranges))
+
+
+async def test_pp_prefill_pairs_with_a_pp1_decode_and_declares_its_stages(nodes) -> None:
+    p, d = await nodes("prefill", pp_size=2), await nodes("decode")
+    one_stage = await nodes("prefill")
+    # Pipeline size is negotiated, not hashed: a PP=2 and a PP=1 prefill pair alike.
+    assert p.service.identity.compat_hash == one_stage.service.identity.compat_hash
+    assert p.service.identity.compat_hash == d.service.identity.compat_hash
+    peer = await d.service.ctx.peers.connect(p.address)  # the handshake reply declares them
+    assert peer.stage_ranges == ((0, 2), (2, 4)) and peer.pp_size == 2
+    assert d.service.identity.node.stage_ranges == ((0, 4),)
+    assert len(p.service.ctx.registry) == 1  # and the prefill accepted the decode's one range
+
+
+@pytest.mark.parametrize("ranges,named", [
+    ([[0, 1], [2, 4]], ": missing layers 1."),
+    ([[0, 3], [2, 4]], ": layers served by more than one stage 2."),
+    ([[0, 2], [2, 6]], ": layers outside the model's span 4-5."),
+    ([[0, 2]], ": missing layers 2-3."),
+    ([[1, 2], [2, 4]], ": missing layers 0."),
+])
+@pytest.mark.parametrize("server_role", ["prefill", "decode"])
+async def test_declared_ranges_that_do_not_tile_get_a_clean_409(nodes, ranges, named,
+                                                                server_role) -> None:
+    server = await nodes(server_role)
+    ident = server.service.identity
+    peer_role = "decode" if server_role == "prefill" else "prefill"
+    end = max(b for _, b in ranges)
+    body = seal(ident.compat_hash, ident.factors.to_wire(),
+                node_info(peer_role, ranges, span=(min(a for a, _ in ranges), end)))
+    status, err = await post_raw(server.url + "/kv/v1/handshake", body)
+    assert status == 409, err
+    assert err["error"]["code"] == "kv_layer_coverage"
+    assert err["error"]["param"] == "layer_ranges"
+    message = err["error"]["message"]
+    assert named in message and str(ranges) in message and "[0, 4)" in message
+    assert len(server.service.ctx.registry) == 0
+
+
+def test_a_decode_rejects_a_prefill_whose_stages_leave_a_gap() -> None:
+    """The client side (pull: the decode checks the prefill's reply) runs the same check."""
+    decode = node_info("decode", [[0, 4]], engine_id="d")
+    check_layer_coverage(decode, node_info("prefill", [[0, 2], [2, 4]]))
+    check_layer_coverage(decode, node_info("prefill", [[0, 1], [1, 3], [3, 4]]))
+    with pytest.raises(ConflictError) as err:
+        check_layer_coverage(decode, node_info("prefill", [[0, 1], [3, 4]]))
+    assert err.value.status == 409 and "missing layers 1-2" in err.value.message
+    with pytest.raises(ConflictError) as err:  # ranges fine, but the peer claims other layers
+        check_layer_coverage(decode, node_info("prefill", [[0, 2], [2, 4]], span=(0, 3)))
+    assert "claims to hold [0, 3)" in err.value.message
+
+
+def test_coverage_is_computed_on_intervals() -> None:
+    cov = layer_coverage([(2, 30), (0, 2), (0, 10**12)], 0, 30)
+    assert cov.overlapping == ((0, 30),) and cov.outside == ((30, 10**12),) and not cov.missing
+    assert layer_coverage([(15, 30), (0, 15)], 0, 30).exact  # any order
+
+
+@pytest.mark.parametrize("ranges,pp_size", [
+    ([[3, 1], [1, 4]], 2), ([[0, 1, 2], [2, 4]], 2), ([[0, 2], [2, 4]], 3), ([[-1, 4]], 1),
+])
+async def test_malformed_ranges_are_a_clean_400(nodes, ranges, pp_size) -> None:
+    p = await nodes("prefill")
+    ident = p.service.identity
+    node = to_fields(node_info("decode", [[0, 4]]))
+    node.update(layer_ranges=ranges, pp_size=pp_size)
+    message = msgpack.packb({"t": NodeInfo.TAG, "b": node})  # what a buggy peer might send
+    body = b"".join(msgpack.packb(part) for part in (
+        ident.compat_hash, KV_PROTOCOL_VERSION, ident.factors.to_wire(), message))
+    status, err = await post_raw(p.url + "/kv/v1/handshake", body)
+    assert status == 400 and err["error"]["code"] == "kv_bad_message", err
+
+
+def test_a_service_must_declare_ranges_that_tile_its_own_layers() -> None:
+    factors = CompatFactors.for_transfer(small_spec(), PullTransfer)
+    KVIdentity(node_info("prefill", [[0, 3], [3, 4]]), factors)
+    with pytest.raises(ValueError, match="missing layers 2"):
+        KVIdentity(node_info("prefill", [[0, 2], [3, 4]]), factors)
+    with pytest.raises(ValueError, match="model has 4"):
+        KVIdentity(node_info("prefill", [[0, 3], [3, 5]], span=(0, 5)), factors)
+

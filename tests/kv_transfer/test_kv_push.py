@@ -41,6 +41,8 @@ async def test_push_in_either_arrival_order(nodes, options, decode_first: bool) 
     assert not first.done()
     second = await (send() if decode_first else receive())
     kv = await first if decode_first else second
+    if not decode_first:
+        assert await first == kv.num_bytes  # the send ends (blocks released) after the ack
     assert same_bits(expected, blocks_of(d, kv.block_ids))
     assert (kv.num_tokens, kv.first_token) == (45, FIRST)
     await d.store.free(kv.block_ids)

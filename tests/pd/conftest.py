@@ -45,7 +45,9 @@ def mesh(tiny_model: Path, other_model: Path) -> Iterator[Mesh]:
         "mixed": worker_config(tiny_model, "mixed"),
         "prefill": worker_config(tiny_model, "prefill"),
         "decode": worker_config(tiny_model, "decode"),
-        "push_prefill": worker_config(tiny_model, "prefill", "push"),
+        # Chunks of 128 tokens: a long prompt's blocks stream to the decode as computed.
+        "push_prefill": worker_config(tiny_model, "prefill", "push",
+                                      max_num_batched_tokens=128),
         "push_decode": worker_config(tiny_model, "decode", "push"),
         "short_lease_prefill": worker_config(tiny_model, "prefill", lease=SHORT_LEASE_S),
         "recompute_decode": worker_config(tiny_model, "decode",

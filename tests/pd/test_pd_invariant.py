@@ -70,6 +70,10 @@ async def test_greedy_pd_equals_mixed_for_every_prompt_length(mesh: Mesh, mode: 
                 assert pre["token_ids"] == ref.token_ids[:1]
                 cached = got.prefill["usage"]["prompt_tokens_details"]["cached_tokens"]
                 assert cached == (attempt * ((length - 1) // BLOCK) * BLOCK)
+                if mode == "push":  # blocks written while the prompt computed, then the rest
+                    overlap = got.prefill["kv_transfer_params"]["push_overlap"]
+                    assert overlap["blocks"] == -(-length // BLOCK)
+                    assert 0 <= overlap["early_blocks"] < overlap["blocks"]
             # The transferred blocks entered the decode's own prefix cache with the right KV: a
             # plain request there reuses them and still gives the mixed output.
             hits = await prefix_cache_hits(s, decode_url)
