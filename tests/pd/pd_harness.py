@@ -32,6 +32,13 @@ from services.worker.app import create_app
 from services.worker.config import WorkerConfig
 
 REPO = Path(__file__).resolve().parents[2]
+# The real-model P/D checks (pd and pipeline tests): a chat and a long, chunked completion.
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_REQUESTS = [
+    ("/v1/chat/completions", {"messages": [{"role": "user",
+                                            "content": "What is the capital of France?"}]}),
+    ("/v1/completions", {"prompt": "Here is a short history of the printing press. " * 25}),
+]
 
 
 class WorkerThread:

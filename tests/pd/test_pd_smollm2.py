@@ -9,6 +9,8 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 from pd_harness import (
+    SMOLLM2,
+    SMOLLM2_REQUESTS,
     WorkerThread,
     dispatch_pull,
     dispatch_push,
@@ -22,12 +24,7 @@ from services.kv_transfer.config import KVTransferConfig
 from services.worker.config import WorkerConfig, WorkerRole
 from shared.config import EngineConfig
 
-MODEL = "smollm2-135m-instruct"
-REQUESTS = [
-    ("/v1/chat/completions", {"messages": [{"role": "user",
-                                            "content": "What is the capital of France?"}]}),
-    ("/v1/completions", {"prompt": "Here is a short history of the printing press. " * 25}),
-]
+MODEL, REQUESTS = SMOLLM2, SMOLLM2_REQUESTS
 
 
 def config(role: str, mode: str = "pull") -> WorkerConfig:

@@ -13,7 +13,9 @@ import aiohttp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))  # the P/D test harness
-from pd_harness import (  # noqa: E402
+from pd_harness import (
+    SMOLLM2,
+    SMOLLM2_REQUESTS,  # noqa: E402
     SubprocessWorker,
     WorkerThread,
     dispatch_pull,
@@ -29,12 +31,7 @@ from shared.config import EngineConfig  # noqa: E402
 from shared.protocol.codec import decode  # noqa: E402
 from shared.protocol.messages import ServiceInfo  # noqa: E402
 
-MODEL = "smollm2-135m-instruct"
-REQUESTS = [
-    ("/v1/chat/completions", {"messages": [{"role": "user",
-                                            "content": "What is the capital of France?"}]}),
-    ("/v1/completions", {"prompt": "Here is a short history of the printing press. " * 25}),
-]
+MODEL, REQUESTS = SMOLLM2, SMOLLM2_REQUESTS
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(280)]
 
 
