@@ -8,8 +8,9 @@ FMA kernel, fp32 x) against torch bf16 and torch fp32 F.linear. Enough weight co
 cycled to exceed the L3 cache, so every call streams its weights from DRAM as in decode.
 Times are the best of several trials (the machine may be shared), GiB/s is the weight bytes
 read per second, and `x` columns are torch's time over ours (> 1: we are faster).
-Engine: single-stream greedy decode tok/s of the model in bf16 with and without
-accelerate_linears (the loader is monkeypatched here only), alternating runs.
+Engine: single-stream greedy decode tok/s of the model in bf16 on three paths, alternating
+runs: plain torch, plain-torch layers over the dense GEMV, and the native fused decoder layer
+(what the engine uses).
 """
 
 from __future__ import annotations
@@ -115,26 +116,26 @@ def print_gemv(threads: list[int], batches: list[int], min_time: float) -> None:
 
 
 # ---- end to end ----------------------------------------------------------------------------
-def load_engine(model: str, threads: int, accelerate: bool) -> object:
-    """An LLMEngine in bf16; with accelerate, its loader swaps the linears after loading."""
-    import shared.model.loader as loader
+def load_engine(model: str, threads: int, path: str) -> object:
+    """An LLMEngine in bf16 on one decode path: "torch" (plain-torch layers, F.linear),
+    "dense" (plain-torch layers, dense GEMV linears) or "native" (what LLMEngine.from_config
+    picks: dense GEMVs inside the fused native decoder layer)."""
     from shared.config import EngineConfig
     from shared.engine.engine import LLMEngine
+    from shared.model.loader import load_model
+    from shared.model.registry import resolve_model
+    from shared.model.tokenizer import Tokenizer
 
-    original = loader.load_model
-
-    def patched(*args: object, **kwargs: object) -> object:
-        model_, config = original(*args, **kwargs)
-        print(f"  accelerate_linears swapped {dense.accelerate_linears(model_)} linears")
-        return model_, config
-
-    loader.load_model = patched if accelerate else original
-    try:
-        engine = LLMEngine.from_config(EngineConfig(model=model, dtype="bfloat16",
-                                                    num_threads=threads,
-                                                    enable_prefix_caching=False))
-    finally:
-        loader.load_model = original
+    config = EngineConfig(model=model, dtype="bfloat16", num_threads=threads,
+                          enable_prefix_caching=False)
+    if path == "native":
+        engine = LLMEngine.from_config(config)
+    else:
+        model_dir = resolve_model(model, config.resolved_cache_dir)
+        model_, model_config = load_model(model_dir, "bfloat16")
+        if path == "dense":
+            print(f"  accelerate_linears swapped {dense.accelerate_linears(model_)} linears")
+        engine = LLMEngine(config, model_, model_config, Tokenizer(model_dir))
     engine.warmup()
     return engine
 
@@ -156,8 +157,7 @@ def decode_tok_s(engine: object, tokens: int, seed: int) -> float:
 
 def print_engine(model: str, threads: int, tokens: int, rounds: int) -> None:
     print(f"\nEngine: {model} bf16, {threads} threads, single-stream decode of {tokens} tokens")
-    engines = {"torch": load_engine(model, threads, False),
-               "dense": load_engine(model, threads, True)}
+    engines = {name: load_engine(model, threads, name) for name in ("torch", "dense", "native")}
     rates: dict[str, list[float]] = {name: [] for name in engines}
     for r in range(rounds):  # alternate, so load from other processes hits both alike
         for name, engine in engines.items():
@@ -166,7 +166,9 @@ def print_engine(model: str, threads: int, tokens: int, rounds: int) -> None:
         xs.sort()
         print(f"  {name:>5}: best {xs[-1]:6.1f} tok/s  median {xs[len(xs) // 2]:6.1f} tok/s  "
               f"(runs: {', '.join(f'{x:.1f}' for x in xs)})")
-    print(f"  speedup (median): {sorted(rates['dense'])[rounds // 2] / sorted(rates['torch'])[rounds // 2]:.2f}x")
+    median = {name: sorted(xs)[rounds // 2] for name, xs in rates.items()}
+    print(f"  speedup over torch (median): dense {median['dense'] / median['torch']:.2f}x, "
+          f"native {median['native'] / median['torch']:.2f}x")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

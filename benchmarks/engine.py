@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import statistics
@@ -144,12 +145,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     runs: dict[str, list[dict[str, float]]] = {"ours": [], "hf": []}
+    load_before = os.getloadavg()[0]  # the machine may be shared: say how busy it was
     for _ in range(args.rounds):
         for side in runs:
             runs[side].append(child(args, side))
     ours, hf = best(runs["ours"]), best(runs["hf"])
     quant = f", quantization={args.quantization}" if args.quantization else ""
-    print(f"{args.model}, {args.dtype}, {args.threads} threads{quant}, best of {args.rounds}")
+    print(f"{args.model}, {args.dtype}, {args.threads} threads{quant}, best of {args.rounds}, "
+          f"load average {load_before:.2f} before / {os.getloadavg()[0]:.2f} after")
     print(f"{'metric':<28}{'ours':>10}{'HF':>10}{'ratio':>8}")
     rows = [("decode tok/s (1 stream)", "decode", False), ("aggregate tok/s (16 conc.)", "agg16", False),
             ("TTFT 200-token prompt (ms)", "ttft200", True), ("peak RSS (MiB)", "rss", True)]

@@ -168,6 +168,7 @@ def component_status() -> list[tuple[str, str]]:
         rows.append(("kernels", str(mxfp4.build_info())))
     except Exception as exc:  # noqa: BLE001 - report, don't crash the doctor
         rows.append(("kernels", f"unavailable: {exc}"))
+    rows.append(("dense kernels", _dense_status()))
     if importlib.util.find_spec("shared.model.registry") is None:
         rows.append(("model", "registry missing"))
         return rows
@@ -178,3 +179,17 @@ def component_status() -> list[tuple[str, str]]:
     except Exception as exc:  # noqa: BLE001
         rows.append(("model", f"unavailable: {exc}"))
     return rows
+
+
+def _dense_status() -> str:
+    """kernels.dense: the GEMV build, and which bf16 decode path the engine will take."""
+    try:
+        from kernels import dense
+
+        info = dense.build_info()
+        native = dense.decoder() if info.state == "ready" else None
+    except Exception as exc:  # noqa: BLE001 - report, don't crash the doctor
+        return f"unavailable: {exc}"
+    path = ("fused decoder layer + native paged attention" if native is not None
+            else "plain torch layers (no native decoder)")
+    return f"{info}; bf16 decode path: {path}"

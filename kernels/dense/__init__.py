@@ -2,6 +2,7 @@
 
     y = linear(x, weight, bias)          # x [..., K] @ weight.T (+ bias), weight [N, K]
     n = accelerate_linears(model)        # bf16 nn.Linear -> DenseLinear, Parameters shared
+    native = decoder()                   # fused decoder layer + paged attention (layer.py)
 
 The C++ kernels take a bf16 weight and fp32 or bf16 x of 1..32 rows (fp32 accumulation,
 output in x's dtype); larger batches (prefill), fp32 weights and other dtypes run torch's
@@ -30,6 +31,13 @@ from kernels.dense.backend import (
     unavailable_reason,
 )
 from kernels.dense.build import BuildConfig, BuildResult, BuildState, load, peek
+from kernels.dense.layer import (
+    LayerGeometry,
+    LayerWeights,
+    NativeDecoder,
+    StepTables,
+    native_decoder,
+)
 from kernels.dense.module import DenseLinear, swap_linears
 
 __all__ = [
@@ -40,10 +48,15 @@ __all__ = [
     "BuildInfo",
     "DenseLinear",
     "KernelPath",
+    "LayerGeometry",
+    "LayerWeights",
+    "NativeDecoder",
+    "StepTables",
     "accelerate_linears",
     "available_backends",
     "build_info",
     "configure",
+    "decoder",
     "kernel_path",
     "linear",
     "reference_linear",
@@ -119,6 +132,12 @@ def accelerate_linears(model: nn.Module, backend: str | Backend | None = None) -
     if backend is None and path.backend is Backend.REFERENCE:
         return 0
     return swap_linears(model, path)
+
+
+def decoder(backend: str | Backend | None = None) -> NativeDecoder | None:
+    """The fused decoder layer / native paged attention on `backend`'s library (kernels.dense
+    .layer), or None when that resolves to the reference path (then torch runs everything)."""
+    return native_decoder(kernel_path(backend))
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ from kernels.mxfp4.build import _summarise as summarise
 
 CSRC = Path(__file__).parent / "csrc"
 NAMESPACE = "pdmesh_dense"  # extension name and torch.ops namespace
+# ops.cpp: features() and linear(); layer_ops.cpp: the fused decoder layer (kernels/dense/layer.py).
+SOURCES = ("ops.cpp", "gemv_avx512.cpp", "layer_ops.cpp", "layer_avx512.cpp", "attend_avx512.cpp")
 
 # Bits of the library's features() op (see csrc/ops.cpp).
 _CPU_AVX512 = 1
@@ -124,7 +126,7 @@ def _build(config: BuildConfig) -> BuildResult:
     try:
         path = cpp_extension.load(
             name=NAMESPACE,
-            sources=[str(CSRC / "ops.cpp"), str(CSRC / "gemv_avx512.cpp")],
+            sources=[str(CSRC / name) for name in SOURCES],
             extra_cflags=["-O3", "-fopenmp"],  # -fopenmp: at::parallel_for's OpenMP region
             extra_ldflags=["-fopenmp"],
             build_directory=str(config.build_dir),

@@ -14,6 +14,7 @@ tokens of all sequences are packed into one flat dimension T (sequence-major).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +24,8 @@ KV_LAYOUT = "L2NBHD"  # [layers, k/v, blocks, block_size, kv_heads, head_dim]
 
 
 @dataclass(frozen=True)
-class AttentionMetadata:
-    """Everything attention needs for one step; built once per step by the model runner.
+class PaddedViews:
+    """The batch as plain-torch attention reads it: padded to [B, Lmax] / [B, Qmax].
 
     slot_mapping: LongTensor[T], flat cache slot of every new token.
     gather_slots: LongTensor[B, Lmax], flat cache slots of each sequence's whole context
@@ -41,6 +42,25 @@ class AttentionMetadata:
     query_valid: torch.Tensor
     attn_mask: torch.Tensor
 
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything attention needs for one step; built once per step by the model runner.
+
+    block_tables: IntTensor[B, max_blocks] (int32), each sequence's blocks, padded with 0.
+    context_lens: IntTensor[B] (int32), computed + new tokens of each sequence.
+    query_start: IntTensor[B + 1] (int32), row in T of each sequence's first new token.
+    The native paged attention (kernels.dense) reads only these: it walks the block tables
+    itself, with no gather and no padding. The plain-torch path reads the PaddedViews
+    (slot_mapping, gather_slots, ...), built on first access only, so a native step never
+    pays for them.
+    """
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_start: torch.Tensor
+    block_size: int
+
     @staticmethod
     def build(
         num_computed_tokens: list[int],
@@ -48,26 +68,40 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
     ) -> AttentionMetadata:
-        """Vectorised over the batch; the only per-sequence Python work is list flattening."""
+        """Three small tensors; the only per-sequence Python work is list padding."""
         b = len(num_scheduled_tokens)
         assert b == len(num_computed_tokens) == len(block_tables) and b > 0
-        computed = torch.tensor(num_computed_tokens, dtype=torch.long)
-        sched = torch.tensor(num_scheduled_tokens, dtype=torch.long)
-        ctx = computed + sched  # [B] context length after this step
-        lmax, qmax = int(ctx.max()), int(sched.max())
         nblk = max(len(t) for t in block_tables)
-        tables = torch.zeros(b, nblk, dtype=torch.long)
-        for i, t in enumerate(block_tables):
-            tables[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        ctx = [c + n for c, n in zip(num_computed_tokens, num_scheduled_tokens, strict=True)]
+        starts = [0]
+        for n in num_scheduled_tokens:
+            starts.append(starts[-1] + n)
+        return AttentionMetadata(
+            block_tables=torch.tensor([t + [0] * (nblk - len(t)) for t in block_tables],
+                                      dtype=torch.int32),
+            context_lens=torch.tensor(ctx, dtype=torch.int32),
+            query_start=torch.tensor(starts, dtype=torch.int32),
+            block_size=block_size,
+        )
+
+    @functools.cached_property
+    def padded(self) -> PaddedViews:
+        """The plain-torch path's views, vectorised over the batch (cached per step)."""
+        ctx = self.context_lens.long()  # [B] context length after this step
+        starts = self.query_start[:-1].long()  # [B]
+        sched = self.query_start[1:].long() - starts  # [B]
+        computed = ctx - sched
+        b, nblk = self.block_tables.shape
+        lmax, qmax = int(ctx.max()), int(sched.max())
         pos = torch.arange(lmax)  # [Lmax]
-        blk = tables.gather(1, (pos // block_size).clamp(max=nblk - 1).expand(b, -1))
-        gather_slots = blk * block_size + pos % block_size  # [B, Lmax]
+        blk = self.block_tables.long().gather(
+            1, (pos // self.block_size).clamp(max=nblk - 1).expand(b, -1))
+        gather_slots = blk * self.block_size + pos % self.block_size  # [B, Lmax]
         key_valid = pos[None, :] < ctx[:, None]  # [B, Lmax]
         gather_slots = torch.where(key_valid, gather_slots, torch.zeros_like(gather_slots))
 
         q = torch.arange(qmax)  # [Qmax]
         query_valid = q[None, :] < sched[:, None]  # [B, Qmax]
-        starts = torch.cumsum(sched, 0) - sched  # [B]
         query_index = torch.where(query_valid, starts[:, None] + q[None, :], 0)
         q_pos = computed[:, None] + q[None, :]  # absolute position of each query
         attn_mask = (pos[None, None, :] <= q_pos[:, :, None]) & key_valid[:, None, :]
@@ -75,13 +109,9 @@ class AttentionMetadata:
         # Padding query rows attend to key 0 so softmax never sees an all-masked row.
         attn_mask[:, :, 0] |= ~query_valid
         slot_mapping = gather_slots.gather(1, q_pos.clamp(max=lmax - 1))[query_valid]
-        return AttentionMetadata(
-            slot_mapping=slot_mapping,
-            gather_slots=gather_slots,
-            query_index=query_index,
-            query_valid=query_valid,
-            attn_mask=attn_mask[:, None],
-        )
+        return PaddedViews(slot_mapping=slot_mapping, gather_slots=gather_slots,
+                           query_index=query_index, query_valid=query_valid,
+                           attn_mask=attn_mask[:, None])
 
 
 def paged_attention(
@@ -94,17 +124,18 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, H, D]
     """Write the new K/V into the cache, then attend over each sequence's whole context."""
     kvh, d = k.shape[1], k.shape[2]
+    views = meta.padded
     k_flat = kv_layer[0].view(-1, kvh, d)  # [num_slots, KVH, D]
     v_flat = kv_layer[1].view(-1, kvh, d)
-    k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
-    v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+    k_flat.index_copy_(0, views.slot_mapping, k.to(k_flat.dtype))
+    v_flat.index_copy_(0, views.slot_mapping, v.to(v_flat.dtype))
     # Attention math runs in fp32 whatever the model dtype: torch's CPU SDPA is several times
     # slower in bf16 than in fp32 at these sizes, and the upcast of [B, Lmax] rows is cheap.
-    keys = k_flat[meta.gather_slots].float().transpose(1, 2)  # [B, KVH, Lmax, D]
-    values = v_flat[meta.gather_slots].float().transpose(1, 2)
-    queries = q[meta.query_index].float().transpose(1, 2)  # [B, H, Qmax, D]
+    keys = k_flat[views.gather_slots].float().transpose(1, 2)  # [B, KVH, Lmax, D]
+    values = v_flat[views.gather_slots].float().transpose(1, 2)
+    queries = q[views.query_index].float().transpose(1, 2)  # [B, H, Qmax, D]
     out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=meta.attn_mask, scale=scale,
+        queries, keys, values, attn_mask=views.attn_mask, scale=scale,
         enable_gqa=queries.shape[1] != keys.shape[1],
     )  # [B, H, Qmax, D]
-    return out.transpose(1, 2)[meta.query_valid].to(q.dtype)  # [T, H, D]
+    return out.transpose(1, 2)[views.query_valid].to(q.dtype)  # [T, H, D]

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.dense.layer import LayerGeometry, LayerWeights, NativeDecoder, StepTables
 from shared.model.attention import AttentionMetadata, paged_attention
 from shared.model.config import ModelConfig
 from shared.model.quant import (
@@ -97,6 +98,12 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, kv_layer, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
+    def forward_native(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_layer: torch.Tensor,
+                       tables: StepTables, native: NativeDecoder, g: LayerGeometry
+                       ) -> torch.Tensor:
+        """forward, with RoPE, the cache write and attention in one native call (any T)."""
+        return self.o_proj(native.rope_attention(self.qkv_proj(x), kv_layer, cos_sin, tables, g))
+
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one Linear."""
@@ -122,11 +129,45 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
+        self.fused: LayerWeights | None = None  # set by LlamaForCausalLM.use_native
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_native(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_layer: torch.Tensor,
+                       tables: StepTables, native: NativeDecoder, g: LayerGeometry
+                       ) -> torch.Tensor:
+        """forward through native kernels on x [T, hidden] (bf16, contiguous, updated in
+        place): the whole block in one call for a dense bf16 layer, else the native norms,
+        attention, SiLU and residual adds around this layer's own linears (MXFP4)."""
+        if self.fused is not None:
+            native.decoder_layer(x, kv_layer, cos_sin, tables, self.fused, g)
+            return x
+        attn, mlp = self.self_attn, self.mlp
+        xn = native.rms_norm(x, self.input_layernorm.weight, g.rms_norm_eps)
+        xn = native.add_rms_norm(x, attn.forward_native(xn, cos_sin, kv_layer, tables, native, g),
+                                 self.post_attention_layernorm.weight, g.rms_norm_eps)
+        native.add_(x, mlp.down_proj(native.silu_mul(mlp.gate_up_proj(xn))))
+        return x
+
+    def dense_weights(self) -> LayerWeights | None:
+        """This layer's tensors for the fused native block, or None when a linear is not a
+        dense bf16 one (MXFP4) or the model is not bf16."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(isinstance(m, MXFP4Linear) or not isinstance(getattr(m, "weight", None),
+                                                             torch.Tensor) for m in linears):
+            return None
+        try:
+            return LayerWeights(
+                ln1=self.input_layernorm.weight, w_qkv=attn.qkv_proj.weight,
+                b_qkv=attn.qkv_proj.bias, w_o=attn.o_proj.weight, b_o=attn.o_proj.bias,
+                ln2=self.post_attention_layernorm.weight, w_gu=mlp.gate_up_proj.weight,
+                w_down=mlp.down_proj.weight)
+        except ValueError:  # not bf16, or not contiguous
+            return None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -168,7 +209,33 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings,
                                       dtype)
+        self.geometry = LayerGeometry(config.num_heads, config.num_kv_heads, config.head_dim,
+                                      config.rms_norm_eps, config.head_dim ** -0.5)
+        self.native: NativeDecoder | None = None  # see use_native
+        self._fused_stack: list[torch.Tensor | None] | None = None
         self.requires_grad_(False)
+
+    def use_native(self, native: NativeDecoder) -> int:
+        """Route forward through native's kernels (kernels.dense.layer) from now on: paged
+        attention reads block tables directly, and layers whose linears are all dense bf16 run
+        as one fused call per decode step. Returns the number of fully fused layers.
+
+        Only for bf16 models over a bf16 KV cache (forward checks the cache each step and
+        runs the plain-torch path otherwise, which stays the oracle). A head layout the kernels
+        do not take leaves the model on plain torch (returns 0).
+        """
+        if self.dtype != torch.bfloat16:
+            raise ValueError(f"native decode kernels need a bf16 model, not {self.dtype}")
+        if not native.supports(self.geometry):
+            return 0
+        self.native = native
+        for layer in self.layers:
+            layer.fused = layer.dense_weights()
+        fused = [layer.fused for layer in self.layers if layer.fused is not None]
+        # Every layer fused: the whole stack runs as one native call per step.
+        self._fused_stack = ([t for w in fused for t in w.as_list()]
+                             if len(fused) == len(self.layers) else None)
+        return len(fused)
 
     @property
     def num_local_layers(self) -> int:
@@ -178,9 +245,24 @@ class LlamaForCausalLM(nn.Module):
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """ids [T] (or hidden [T, hidden] past stage 0) -> hidden [T, hidden], normed if last."""
         h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
+        if self.native is not None and kv_cache.dtype == h.dtype == torch.bfloat16:
+            return self._forward_native(h, meta, kv_cache, self.native)
         cos, sin = self.rotary.lookup(positions)  # once per step, shared by every layer
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache[i], meta)
+        return self.norm(h) if self.norm is not None else h
+
+    def _forward_native(self, h: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                        native: NativeDecoder) -> torch.Tensor:
+        tables = StepTables(meta.block_tables, meta.context_lens, meta.query_start)
+        cos_sin = self.rotary.table(int(meta.context_lens.max()))  # positions < max context
+        if not self.is_first:  # fused layers update h in place: never the caller's tensor
+            h = h.clone(memory_format=torch.contiguous_format)
+        if self._fused_stack is not None:
+            native.decoder_layers(h, kv_cache, cos_sin, tables, self._fused_stack, self.geometry)
+            return self.norm(h) if self.norm is not None else h
+        for i, layer in enumerate(self.layers):
+            h = layer.forward_native(h, cos_sin, kv_cache[i], tables, native, self.geometry)
         return self.norm(h) if self.norm is not None else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -230,6 +230,12 @@ class RotaryEmbedding:
         cs = self._cos_sin[positions].unsqueeze(1)  # [T, 1, D]
         return cs.chunk(2, dim=-1)
 
+    def table(self, num_positions: int) -> torch.Tensor:
+        """The whole table [P >= num_positions, D] (cos | sin halves, model dtype), for native
+        RoPE kernels that index it by position themselves."""
+        self._ensure(num_positions)
+        return self._cos_sin
+
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, N, D] (HF's rotate-half layout); returns a new contiguous tensor."""

@@ -49,6 +49,9 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w,
   }
 }
 
+}  // namespace
+
+// Not static: layer_ops.cpp's fused decoder layer calls it for its four projections.
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w,
                   const std::optional<at::Tensor>& bias, int64_t path) {
   check_inputs(x_in, w, bias);
@@ -93,7 +96,6 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w,
   return y;
 }
 
-}  // namespace
 }  // namespace pdmesh_dense
 
 TORCH_LIBRARY(pdmesh_dense, m) {

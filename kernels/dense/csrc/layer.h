@@ -1,0 +1,58 @@
+// Fused decoder-layer pieces for CPU decode: the plain-C++ interface between the binding TU
+// (layer_ops.cpp, which owns threading and tensors) and the AVX-512 TU (layer_avx512.cpp).
+// No torch here (see dense.h for why the AVX-512 TU stays free of ATen headers).
+//
+// Every bf16 value is its raw 16-bit pattern (uint16_t). Numerics follow HF transformers in
+// bf16: each elementwise op computes in fp32 and rounds to bf16 (round to nearest even), so
+// the fused layer reproduces the plain-torch layer (shared/model/llama.py) to within the
+// order of fp32 summations.
+#pragma once
+
+#include <cstdint>
+
+namespace pdmesh_dense {
+
+// One step's batch: B sequences, each with q_len new tokens packed sequence-major into T rows,
+// on top of (context_len - q_len) tokens already in the paged cache. Token i of sequence b is
+// at position context_len[b] - q_len + i and lives in cache slot
+// block_tables[b, pos / block_size] * block_size + pos % block_size.
+struct StepArgs {
+  const int32_t* block_tables;  // [B, max_blocks]
+  const int32_t* context_lens;  // [B] tokens after this step (computed + new)
+  const int32_t* query_start;   // [B + 1] row of each sequence's first new token; [B] = T
+  const int32_t* token_seq;     // [T] sequence of each row
+  int64_t num_seqs, max_blocks, block_size;
+};
+
+// Paged-cache geometry of one layer: k/v [num_blocks, block_size, kv_heads, head_dim] bf16.
+struct CacheArgs {
+  uint16_t* k;
+  uint16_t* v;
+  int64_t num_heads, num_kv_heads, head_dim;
+};
+
+// out[t, :] = bf16(bf16(x[t] * rsqrt(mean(x[t]^2) + eps)) * w) for rows [t0, t1).
+void rms_norm_avx512(const uint16_t* x, const uint16_t* w, int64_t n, float eps, uint16_t* out,
+                     int64_t t0, int64_t t1);
+
+// h[i] = bf16(h[i] + y[i]) for i in [0, n): the residual add.
+void add_inplace_avx512(uint16_t* h, const uint16_t* y, int64_t n);
+
+// act[t, i] = bf16(bf16(silu(gu[t, i])) * gu[t, inter + i]) for rows [t0, t1); gu is
+// [T, 2 * inter] (gate then up), act [T, inter].
+void silu_mul_avx512(const uint16_t* gu, int64_t inter, uint16_t* act, int64_t t0, int64_t t1);
+
+// RoPE (HF rotate-half, bf16 rounding per op, cos_sin [P, D] = cos | sin halves) of rows
+// [t0, t1) of qkv [T, (H + 2 KVH) D]: rotated q -> q_out [T, H D]; rotated k and v -> cache.
+void rope_store_avx512(const uint16_t* qkv, const uint16_t* cos_sin, const StepArgs& s,
+                       const CacheArgs& c, uint16_t* q_out, int64_t t0, int64_t t1);
+
+// Causal attention over the paged cache for work items [i0, i1), item = row * KVH + kv head:
+// the H / KVH query heads of that kv head attend to positions 0..pos of their sequence.
+// q [T, H D] bf16 -> out [T, H D] bf16; fp32 math (scores, softmax, weighted sum).
+// scratch: (H / KVH) * (max context) floats and offsets: (max context) int64, both owned by
+// the calling thread. (attend_avx512.cpp)
+void attend_avx512(const uint16_t* q, const StepArgs& s, const CacheArgs& c, float scale,
+                   uint16_t* out, float* scratch, int64_t* offsets, int64_t i0, int64_t i1);
+
+}  // namespace pdmesh_dense

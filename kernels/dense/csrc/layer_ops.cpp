@@ -1,0 +1,300 @@
+// Torch bindings of the fused decoder layer (kernels in layer_avx512.cpp, GEMVs in ops.cpp):
+//   rope_attention(qkv, kv_layer!, cos_sin, block_tables, context_lens, query_start,
+//                  num_heads, num_kv_heads, scale) -> Tensor [T, H D]
+//       RoPE on q and k, K/V written to the paged cache, causal attention over each sequence's
+//       context read straight from its block table (any T: prefill chunks and decode rows).
+//   decoder_layer(h!, kv_layer!, cos_sin, block_tables, context_lens, query_start, ln1, w_qkv,
+//                 b_qkv?, w_o, b_o?, ln2, w_gu, w_down, num_heads, num_kv_heads, eps, scale,
+//                 path) -> ()
+//       One whole pre-norm Llama block on the bf16 residual stream h [T, hidden], in place.
+//   decoder_layers(h!, kv_cache!, cos_sin, block_tables, context_lens, query_start,
+//                  Tensor?[] weights, num_heads, num_kv_heads, eps, scale, path) -> ()
+//       Every layer of kv_cache [L, 2, ...] in one call; weights = 8 per layer (ln1, w_qkv,
+//       b_qkv, w_o, b_o, ln2, w_gu, w_down), so a decode step costs one dispatch.
+//   rms_norm(x, w, eps) -> Tensor;  add_rms_norm(h!, y, w, eps) -> Tensor (h += y, then norm);
+//   silu_mul(gu [T, 2 I]) -> Tensor [T, I];  add_(h!, y) -> ()
+//       The block's elementwise steps alone, for layers whose projections are not dense bf16
+//       (MXFP4): the caller runs the projections between them.
+// Shapes: qkv [T, (H + 2 KVH) D], kv_layer [2, num_blocks, block_size, KVH, D], cos_sin [P, D],
+// block_tables int32 [B, max_blocks], context_lens int32 [B], query_start int32 [B + 1].
+// Every input is validated here (the kernels trust their indices), so a bad table raises.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "dense.h"
+#include "layer.h"
+
+namespace pdmesh_dense {
+
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w,
+                  const std::optional<at::Tensor>& bias, int64_t path);  // ops.cpp
+
+namespace {
+
+constexpr int64_t kGemvMaxRows = 32;  // more rows (prefill): torch's GEMM (oneDNN) instead
+constexpr int64_t kRowGrain = 8;      // rows per parallel chunk of the elementwise kernels
+constexpr int64_t kMinKeysPerChunk = 4096;  // attention: (row, kv head, key) triples per chunk
+
+uint16_t* bits(const at::Tensor& t) {
+  return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous() &&
+                  t.dim() == dim,
+              "dense layer: ", name, " must be a contiguous CPU ", c10::toString(dtype),
+              " tensor with ", dim, " dims");
+}
+
+// One step's validated metadata; token_seq backs args.token_seq.
+struct Step {
+  std::vector<int32_t> token_seq;
+  StepArgs args{};
+  int64_t rows = 0, max_context = 0;
+};
+
+Step make_step(const at::Tensor& tables, const at::Tensor& ctx, const at::Tensor& qs,
+               int64_t rows, const at::Tensor& kv, int64_t table_positions) {
+  check_tensor(tables, "block_tables", at::kInt, 2);
+  check_tensor(ctx, "context_lens", at::kInt, 1);
+  check_tensor(qs, "query_start", at::kInt, 1);
+  const int64_t b = ctx.size(0), nb = tables.size(1), bs = kv.size(2);
+  TORCH_CHECK(b > 0 && tables.size(0) == b && qs.size(0) == b + 1,
+              "dense layer: block_tables [B, n], context_lens [B], query_start [B + 1]");
+  const int32_t* t = tables.data_ptr<int32_t>();
+  const int32_t* c = ctx.data_ptr<int32_t>();
+  const int32_t* q = qs.data_ptr<int32_t>();
+  TORCH_CHECK(q[0] == 0 && q[b] == rows, "dense layer: query_start must run from 0 to T");
+  Step s;
+  s.token_seq.resize(rows);
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t q_len = q[i + 1] - q[i];
+    TORCH_CHECK(q_len >= 1 && q_len <= c[i], "dense layer: bad query_start / context_lens");
+    TORCH_CHECK(c[i] <= nb * bs && c[i] <= table_positions,
+                "dense layer: context longer than its block table or the RoPE table");
+    for (int64_t j = 0; j < (c[i] + bs - 1) / bs; ++j) {
+      TORCH_CHECK(t[i * nb + j] >= 0 && t[i * nb + j] < kv.size(1),
+                  "dense layer: block id out of range");
+    }
+    std::fill(s.token_seq.begin() + q[i], s.token_seq.begin() + q[i + 1], int32_t(i));
+    s.max_context = std::max<int64_t>(s.max_context, c[i]);
+  }
+  s.args = StepArgs{t, c, q, s.token_seq.data(), b, nb, bs};
+  s.rows = rows;
+  return s;
+}
+
+// RoPE + cache write, then attention: qkv [T, (H + 2 KVH) D] -> [T, H D].
+at::Tensor attention_core(const at::Tensor& qkv, at::Tensor& kv, const at::Tensor& cos_sin,
+                          const Step& s, int64_t heads, int64_t kv_heads, double scale) {
+  const int64_t d = kv.size(4), rows = s.rows;
+  const CacheArgs c{bits(kv[0]), bits(kv[1]), heads, kv_heads, d};
+  at::Tensor q = at::empty({rows, heads * d}, qkv.options());
+  at::Tensor out = at::empty({rows, heads * d}, qkv.options());
+  at::parallel_for(0, rows, 16, [&](int64_t t0, int64_t t1) {
+    rope_store_avx512(bits(qkv), bits(cos_sin), s.args, c, bits(q), t0, t1);
+  });
+  const int64_t group = heads / kv_heads;
+  // Work items of at least kMinKeysPerChunk keys per chunk: a decode step's few short items run
+  // inline rather than paying a parallel region's fork and barrier.
+  const int64_t grain =
+      std::max<int64_t>(1, kMinKeysPerChunk / std::max<int64_t>(1, s.max_context));
+  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scratch(group * s.max_context);
+    std::vector<int64_t> offsets(s.max_context);
+    attend_avx512(bits(q), s.args, c, static_cast<float>(scale), bits(out), scratch.data(),
+                  offsets.data(), i0, i1);
+  });
+  return out;
+}
+
+void check_geometry(const at::Tensor& qkv, const at::Tensor& kv, const at::Tensor& cos_sin,
+                    int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(cpu_support().avx512, "dense layer: this CPU lacks avx512f/bw/vl/dq");
+  check_tensor(qkv, "qkv", at::kBFloat16, 2);
+  check_tensor(kv, "kv_layer", at::kBFloat16, 5);
+  check_tensor(cos_sin, "cos_sin", at::kBFloat16, 2);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= 16 &&
+                  kv.size(0) == 2 && kv.size(3) == kv_heads,
+              "dense layer: heads must be a multiple (<= 16x) of the cache's kv heads");
+  const int64_t d = kv.size(4);
+  TORCH_CHECK(d % 2 == 0 && cos_sin.size(1) == d && qkv.size(1) == (heads + 2 * kv_heads) * d,
+              "dense layer: qkv / cos_sin widths do not match the head geometry");
+}
+
+at::Tensor rope_attention(const at::Tensor& qkv, at::Tensor kv, const at::Tensor& cos_sin,
+                          const at::Tensor& tables, const at::Tensor& ctx, const at::Tensor& qs,
+                          int64_t heads, int64_t kv_heads, double scale) {
+  check_geometry(qkv, kv, cos_sin, heads, kv_heads);
+  const Step s = make_step(tables, ctx, qs, qkv.size(0), kv, cos_sin.size(0));
+  return attention_core(qkv, kv, cos_sin, s, heads, kv_heads, scale);
+}
+
+// x [T, K] @ w.T (+ bias): the GEMV for decode-sized T, torch's bf16 GEMM above it (the same
+// split as kernels/dense/backend.py, so the fused layer matches the unfused one bit for bit).
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+                   int64_t path) {
+  return x.size(0) <= kGemvMaxRows ? linear(x, w, b, path) : at::linear(x, w, b);
+}
+
+void rms_norm_rows(const at::Tensor& h, const at::Tensor& w, float eps, at::Tensor& out) {
+  at::parallel_for(0, h.size(0), kRowGrain, [&](int64_t t0, int64_t t1) {
+    rms_norm_avx512(bits(h), bits(w), h.size(1), eps, bits(out), t0, t1);
+  });
+}
+
+void add_rows(at::Tensor& h, const at::Tensor& y) {
+  const int64_t n = h.size(1);
+  at::parallel_for(0, h.size(0), kRowGrain, [&](int64_t t0, int64_t t1) {
+    add_inplace_avx512(bits(h) + t0 * n, bits(y) + t0 * n, (t1 - t0) * n);
+  });
+}
+
+at::Tensor silu_mul_op(const at::Tensor& gu);  // below, with the other elementwise ops
+
+// One layer's parameters (bf16, contiguous) and the model's head layout.
+struct Block {
+  at::Tensor ln1, w_qkv;
+  std::optional<at::Tensor> b_qkv;
+  at::Tensor w_o;
+  std::optional<at::Tensor> b_o;
+  at::Tensor ln2, w_gu, w_down;
+};
+
+struct Heads {
+  int64_t heads, kv_heads;
+  float eps;
+  double scale;
+  int64_t path;  // GEMV code path (ops.cpp linear)
+};
+
+// h [T, hidden] <- the whole pre-norm block, in place; s was validated against this cache.
+void run_block(at::Tensor& h, at::Tensor kv, const at::Tensor& cos_sin, const Step& s,
+               const Block& w, const Heads& g) {
+  check_tensor(w.ln1, "ln1", at::kBFloat16, 1);
+  check_tensor(w.ln2, "ln2", at::kBFloat16, 1);
+  const int64_t rows = h.size(0), hidden = h.size(1), inter = w.w_gu.size(0) / 2;
+  TORCH_CHECK(w.ln1.size(0) == hidden && w.ln2.size(0) == hidden &&
+                  w.w_gu.size(0) == 2 * inter && w.w_down.size(1) == inter &&
+                  w.w_down.size(0) == hidden && w.w_o.size(0) == hidden,
+              "dense layer: weight shapes do not match hidden / intermediate sizes");
+  at::Tensor xn = at::empty({rows, hidden}, h.options());
+  rms_norm_rows(h, w.ln1, g.eps, xn);
+  const at::Tensor qkv = project(xn, w.w_qkv, w.b_qkv, g.path);
+  check_geometry(qkv, kv, cos_sin, g.heads, g.kv_heads);
+  const at::Tensor attn = attention_core(qkv, kv, cos_sin, s, g.heads, g.kv_heads, g.scale);
+  add_rows(h, project(attn, w.w_o, w.b_o, g.path));
+  rms_norm_rows(h, w.ln2, g.eps, xn);
+  const at::Tensor gu = project(xn, w.w_gu, std::nullopt, g.path);
+  add_rows(h, project(silu_mul_op(gu), w.w_down, std::nullopt, g.path));
+}
+
+void decoder_layer(at::Tensor h, at::Tensor kv, const at::Tensor& cos_sin,
+                   const at::Tensor& tables, const at::Tensor& ctx, const at::Tensor& qs,
+                   const at::Tensor& ln1, const at::Tensor& w_qkv,
+                   const std::optional<at::Tensor>& b_qkv, const at::Tensor& w_o,
+                   const std::optional<at::Tensor>& b_o, const at::Tensor& ln2,
+                   const at::Tensor& w_gu, const at::Tensor& w_down, int64_t heads,
+                   int64_t kv_heads, double eps, double scale, int64_t path) {
+  check_tensor(h, "h", at::kBFloat16, 2);
+  check_tensor(kv, "kv_layer", at::kBFloat16, 5);
+  const Step s = make_step(tables, ctx, qs, h.size(0), kv, cos_sin.size(0));
+  run_block(h, kv, cos_sin, s, Block{ln1, w_qkv, b_qkv, w_o, b_o, ln2, w_gu, w_down},
+            Heads{heads, kv_heads, static_cast<float>(eps), scale, path});
+}
+
+// Every layer of the cache in turn: weights holds 8 entries per layer, in Block's order.
+void decoder_layers(at::Tensor h, at::Tensor kv_cache, const at::Tensor& cos_sin,
+                    const at::Tensor& tables, const at::Tensor& ctx, const at::Tensor& qs,
+                    const c10::List<std::optional<at::Tensor>>& weights, int64_t heads,
+                    int64_t kv_heads, double eps, double scale, int64_t path) {
+  check_tensor(h, "h", at::kBFloat16, 2);
+  check_tensor(kv_cache, "kv_cache", at::kBFloat16, 6);
+  const int64_t layers = kv_cache.size(0);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 8 * layers,
+              "dense layer: weights must hold 8 tensors per cache layer");
+  const Step s = make_step(tables, ctx, qs, h.size(0), kv_cache[0], cos_sin.size(0));
+  const Heads g{heads, kv_heads, static_cast<float>(eps), scale, path};
+  for (int64_t i = 0; i < layers; ++i) {
+    auto opt = [&](int64_t j) -> std::optional<at::Tensor> { return weights.get(8 * i + j); };
+    auto need = [&](int64_t j) {
+      const std::optional<at::Tensor> t = opt(j);
+      TORCH_CHECK(t.has_value(), "dense layer: only the two biases may be None");
+      return *t;
+    };
+    run_block(h, kv_cache[i], cos_sin, s,
+              Block{need(0), need(1), opt(2), need(3), opt(4), need(5), need(6), need(7)}, g);
+  }
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& y) {
+  check_tensor(x, "x", at::kBFloat16, 2);
+  check_tensor(y, "y", at::kBFloat16, 2);
+  TORCH_CHECK(x.sizes() == y.sizes(), "dense layer: residual and update shapes differ");
+}
+
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_tensor(x, "x", at::kBFloat16, 2);
+  check_tensor(w, "w", at::kBFloat16, 1);
+  TORCH_CHECK(w.size(0) == x.size(1), "dense layer: norm weight does not match x");
+  TORCH_CHECK(cpu_support().avx512, "dense layer: this CPU lacks avx512f/bw/vl/dq");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rms_norm_rows(x, w, static_cast<float>(eps), out);
+  return out;
+}
+
+void add_op(at::Tensor h, const at::Tensor& y) {
+  check_rows(h, y);
+  TORCH_CHECK(cpu_support().avx512, "dense layer: this CPU lacks avx512f/bw/vl/dq");
+  add_rows(h, y);
+}
+
+at::Tensor add_rms_norm_op(at::Tensor h, const at::Tensor& y, const at::Tensor& w, double eps) {
+  add_op(h, y);
+  return rms_norm_op(h, w, eps);
+}
+
+at::Tensor silu_mul_op(const at::Tensor& gu) {
+  check_tensor(gu, "gu", at::kBFloat16, 2);
+  TORCH_CHECK(gu.size(1) % 2 == 0, "dense layer: gate/up width must be even");
+  TORCH_CHECK(cpu_support().avx512, "dense layer: this CPU lacks avx512f/bw/vl/dq");
+  const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
+  at::Tensor act = at::empty({rows, inter}, gu.options());
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t t0, int64_t t1) {
+    silu_mul_avx512(bits(gu), inter, bits(act), t0, t1);
+  });
+  return act;
+}
+
+}  // namespace
+}  // namespace pdmesh_dense
+
+TORCH_LIBRARY_FRAGMENT(pdmesh_dense, m) {
+  m.def(
+      "rope_attention(Tensor qkv, Tensor(a!) kv_layer, Tensor cos_sin, Tensor block_tables, "
+      "Tensor context_lens, Tensor query_start, int num_heads, int num_kv_heads, float scale) "
+      "-> Tensor",
+      &pdmesh_dense::rope_attention);
+  m.def(
+      "decoder_layer(Tensor(a!) h, Tensor(b!) kv_layer, Tensor cos_sin, Tensor block_tables, "
+      "Tensor context_lens, Tensor query_start, Tensor ln1, Tensor w_qkv, Tensor? b_qkv, "
+      "Tensor w_o, Tensor? b_o, Tensor ln2, Tensor w_gu, Tensor w_down, int num_heads, "
+      "int num_kv_heads, float eps, float scale, int path) -> ()",
+      &pdmesh_dense::decoder_layer);
+  m.def(
+      "decoder_layers(Tensor(a!) h, Tensor(b!) kv_cache, Tensor cos_sin, Tensor block_tables, "
+      "Tensor context_lens, Tensor query_start, Tensor?[] weights, int num_heads, "
+      "int num_kv_heads, float eps, float scale, int path) -> ()",
+      &pdmesh_dense::decoder_layers);
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &pdmesh_dense::rms_norm_op);
+  m.def("add_rms_norm(Tensor(a!) h, Tensor y, Tensor w, float eps) -> Tensor",
+        &pdmesh_dense::add_rms_norm_op);
+  m.def("silu_mul(Tensor gu) -> Tensor", &pdmesh_dense::silu_mul_op);
+  m.def("add_(Tensor(a!) h, Tensor y) -> ()", &pdmesh_dense::add_op);
+}
