@@ -18,7 +18,8 @@ is not counted). "push" is `receive` while the prefill runs `send`: registration
 writes, completion, verification. Everything runs on uvloop, as the workers do.
 
 In-process, one event-loop thread does both sides' work, so its CPU time per transfer is also
-reported: unlike wall time it barely moves when other processes compete for the cores.
+reported, with the process's minor page faults per transfer (an exact count, independent of
+the load: fresh multi-MiB buffers fault page by page; reused ones do not).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -84,32 +86,38 @@ async def prefilled(p: Side, request_id: str) -> list[int]:
 class Sample:
     gib_s: float  # wall-clock throughput
     cpu_ms: float  # CPU time of the event-loop thread during the transfer
+    faults: int = 0  # minor page faults of this process during the transfer (load-independent)
 
 
-def sample(nbytes: int, wall_s: float, cpu_s: float) -> Sample:
-    return Sample(nbytes / wall_s / GIB, cpu_s * 1000)
+def sample(nbytes: int, wall_s: float, cpu_s: float, faults: int = 0) -> Sample:
+    return Sample(nbytes / wall_s / GIB, cpu_s * 1000, faults)
+
+
+def minor_faults() -> int:
+    """Page faults so far: fresh multi-MiB buffers fault page by page, reused ones do not."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 async def pull_once(d: Side, params: KVTransferParams, settle: list[Side]) -> Sample:
-    cpu = time.thread_time()
+    cpu, faults = time.thread_time(), minor_faults()
     kv = await d.service.pull.fetch(params)
-    cpu = time.thread_time() - cpu
+    cpu, faults = time.thread_time() - cpu, minor_faults() - faults
     await d.store.free(kv.block_ids)
     for s in settle:  # the lease release goes out in the background
         await s.service.ctx.drain()
-    return sample(kv.num_bytes, kv.seconds, cpu)
+    return sample(kv.num_bytes, kv.seconds, cpu, faults)
 
 
 async def push_once(p: Side, d: Side, i: int) -> Sample:
     ids = await prefilled(p, f"p{i}")
-    cpu = time.thread_time()
+    cpu, faults = time.thread_time(), minor_faults()
     recv = asyncio.ensure_future(
         d.service.push.receive(f"t{i}", p.service.identity.node.address, TOKENS))
     await p.service.push.send(f"t{i}", f"p{i}", ids, TOKENS, FIRST)
     kv = await recv
-    cpu = time.thread_time() - cpu
+    cpu, faults = time.thread_time() - cpu, minor_faults() - faults
     await d.store.free(kv.block_ids)
-    return sample(kv.num_bytes, kv.seconds, cpu)
+    return sample(kv.num_bytes, kv.seconds, cpu, faults)
 
 
 async def tcp_sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -191,12 +199,14 @@ async def two_process(iters: int) -> dict[str, list[Sample]]:
 def report(name: str, samples: list[Sample], raw: dict | None = None, cpu: bool = True) -> dict:
     rates = [s.gib_s for s in samples]
     med, cpu_ms = statistics.median(rates), statistics.median(s.cpu_ms for s in samples)
+    faults = statistics.median(s.faults for s in samples)
     ratio = f"; {med / raw['median_gib_s']:.2f}x raw TCP" if raw else ""
-    cpu_text = f"; loop CPU {cpu_ms:5.1f} ms" if cpu else ""
+    cpu_text = f"; loop CPU {cpu_ms:5.1f} ms, {faults:.0f} page faults" if cpu else ""
     print(f"{name:22s} median {med:5.2f} GiB/s (min {min(rates):.2f}, max {max(rates):.2f}; "
           f"{NBYTES / med / GIB * 1000:5.1f} ms per 2k-token KV{cpu_text}{ratio})", flush=True)
     return {"name": name, "median_gib_s": round(med, 3), "min": round(min(rates), 3),
-            "max": round(max(rates), 3), "loop_cpu_ms": round(cpu_ms, 1) if cpu else None}
+            "max": round(max(rates), 3), "loop_cpu_ms": round(cpu_ms, 1) if cpu else None,
+            "page_faults": faults if cpu else None}
 
 
 def load_average() -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import TypeVar
 
 from aiohttp import web
@@ -54,9 +55,47 @@ def reply(msg: Message) -> web.Response:
     return web.Response(body=encode(msg), content_type="application/msgpack")
 
 
-async def _envelope(request: web.Request) -> EnvelopeReader:
+class BodyBuffers:
+    """Reused receive buffers for push-write bodies (an envelope plus one chunk of <= 4 MiB).
+
+    aiohttp's `request.read()` joins the received pieces, grows a bytearray and copies it into
+    fresh bytes: three copies, the last ones into fresh 4 MiB allocations that page-fault on
+    every write. Copying each piece straight into a reused buffer is one copy. A buffer is lent
+    to one handler at a time, which has scattered the chunk into the cache before it returns;
+    up to `keep` buffers are kept for the next writes (concurrent writes allocate more).
+    """
+
+    def __init__(self, limit: int, keep: int = 2) -> None:
+        self._limit, self._keep = limit, keep
+        self._free: list[bytearray] = []
+
+    @asynccontextmanager
+    async def body(self, request: web.Request) -> AsyncIterator[bytes | memoryview]:
+        n = request.content_length
+        if n is None or n > self._limit or request.content.at_eof():
+            # Chunked or oversized (aiohttp answers 413), or already read (HMAC middleware).
+            yield await request.read()
+            return
+        buf = self._free.pop() if self._free else bytearray(self._limit)
+        try:
+            view, pos = memoryview(buf), 0
+            while pos < n:
+                piece, _ = await request.content.readchunk()  # as received, no join
+                if not piece or pos + len(piece) > n:
+                    raise BadRequestError("request body does not match its Content-Length",
+                                          code="kv_bad_envelope")
+                view[pos:pos + len(piece)] = piece
+                pos += len(piece)
+            yield view[:n]
+        finally:
+            if len(self._free) < self._keep:
+                self._free.append(buf)
+
+
+async def _envelope(request: web.Request,
+                    body: bytes | memoryview | None = None) -> EnvelopeReader:
     try:
-        return EnvelopeReader(await request.read())
+        return EnvelopeReader(await request.read() if body is None else body)
     except ProtocolError as exc:
         raise BadRequestError(f"not a KV envelope: {exc}", code="kv_bad_envelope") from None
 
@@ -68,18 +107,19 @@ def _message(reader: EnvelopeReader, cls: type[M]) -> M:
         raise BadRequestError(f"bad {cls.TAG} message: {exc}", code="kv_bad_message") from None
 
 
-async def _open(request: web.Request, cls: type[M],
-                pairing: bool) -> tuple[KVTransferService, M, EnvelopeReader]:
+async def _open(request: web.Request, cls: type[M], pairing: bool,
+                body: bytes | memoryview | None = None) -> tuple[KVTransferService, M,
+                                                                  EnvelopeReader]:
     service = request.app[SERVICE_KEY]
-    reader = await _envelope(request)
+    reader = await _envelope(request, body)
     check_hash(service.identity, reader, service.config.allow_incompatible, pairing)
     return service, _message(reader, cls), reader
 
 
-async def _open_peer(request: web.Request,
-                     cls: type[P]) -> tuple[KVTransferService, P, EnvelopeReader]:
+async def _open_peer(request: web.Request, cls: type[P], body: bytes | memoryview | None = None
+                     ) -> tuple[KVTransferService, P, EnvelopeReader]:
     """As `_open`, and the sender must have completed a handshake (409 otherwise)."""
-    service, msg, reader = await _open(request, cls, pairing=False)
+    service, msg, reader = await _open(request, cls, pairing=False, body=body)
     service.ctx.registry.require(msg.engine_id)
     return service, msg, reader
 
@@ -145,8 +185,10 @@ async def push_register(request: web.Request) -> web.Response:
 
 @routes.post("/kv/v1/push/write")
 async def push_write(request: web.Request) -> web.Response:
-    service, msg, reader = await _open_peer(request, PushWrite)
-    return reply(_push(service).receiver.write(msg, reader.trailing()))
+    async with request.app[BODY_BUFFERS_KEY].body(request) as body:
+        service, msg, reader = await _open_peer(request, PushWrite, body)
+        # Synchronous: the chunk is in the cache before the buffer goes back to the pool.
+        return reply(_push(service).receiver.write(msg, reader.trailing()))
 
 
 @routes.post("/kv/v1/push/complete")
@@ -162,6 +204,7 @@ async def push_abort(request: web.Request) -> web.Response:
 
 
 CONFIG_KEY = web.AppKey("kv_config", KVTransferConfig)
+BODY_BUFFERS_KEY = web.AppKey("kv_body_buffers", BodyBuffers)
 
 
 async def _service_lifetime(app: web.Application) -> AsyncIterator[None]:
@@ -182,6 +225,7 @@ def create_app(config: KVTransferConfig, service: KVTransferService) -> web.Appl
     )
     app[CONFIG_KEY] = config
     app[SERVICE_KEY] = service
+    app[BODY_BUFFERS_KEY] = BodyBuffers(config.max_chunk_bytes + MAX_HEADER_BYTES)
     app.cleanup_ctx.append(_service_lifetime)
     app.add_routes(routes)
     return app

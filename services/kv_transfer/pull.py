@@ -25,7 +25,12 @@ from typing import ClassVar
 from aiohttp import web
 
 from services.common.errors import RESPONSE_STARTED_KEY
-from services.kv_transfer.blocks import compute_digests, iter_chunk_headers, iter_chunks
+from services.kv_transfer.blocks import (
+    StagingRing,
+    compute_digests,
+    iter_chunk_headers,
+    iter_chunks,
+)
 from services.kv_transfer.errors import BadRequestError
 from services.kv_transfer.lease import Lease, LeaseState, LeaseTable
 from services.kv_transfer.pull_sink import PullSink
@@ -141,7 +146,21 @@ class PullSource:
         resp.content_length = sum(map(len, heads)) + total + len(end)
         await resp.prepare(request)
         request[RESPONSE_STARTED_KEY] = True
-        gathered = iter_chunks(ctx.store.kv_cache, lease.block_ids, geo, max_bytes)
+        transport = request.transport
+        assert transport is not None, "prepare() succeeded: the connection is open"
+        ring = StagingRing(max_bytes, ctx.store.kv_cache.dtype,
+                           in_transport=transport.get_write_buffer_size, pool=ctx.buffers)
+        try:
+            return await self._send(resp, lease, heads, end, ring, start)
+        finally:
+            ring.close()
+
+    async def _send(self, resp: web.StreamResponse, lease: Lease, heads: list[bytes],
+                    end: bytes, ring: StagingRing, start: float) -> web.StreamResponse:
+        """The frames after the response headers: a chunk per head, then `end`."""
+        ctx, sent = self.ctx, 0
+        gathered = iter_chunks(ctx.store.kv_cache, lease.block_ids, ctx.geometry,
+                               ctx.config.max_chunk_bytes, ring=ring)
         for head in heads:
             if lease.state is not LeaseState.HELD or lease.expires <= ctx.clock():
                 state = "expired" if lease.state is LeaseState.HELD else lease.state.value
@@ -151,11 +170,15 @@ class PullSource:
                 resp.force_close()  # the declared length will not be met
                 return resp
             out = next(gathered)  # gathered now, while the lease is known to be held
+            ring.wrote(len(head))
             await resp.write(head)
+            ring.wrote(len(out.payload))
             await resp.write(out.payload)
+            ring.done()  # in the transport now: the ring sees when its bytes have left
+            sent += len(out.payload)
         await resp.write(end)
         await resp.write_eof()
-        ctx.metrics.observe(self.mode, "send", time.perf_counter() - start, total)
+        ctx.metrics.observe(self.mode, "send", time.perf_counter() - start, sent)
         return resp
 
     @property

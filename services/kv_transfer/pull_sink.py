@@ -127,25 +127,31 @@ class PullSink:
                 # The prefill sends a Content-Length, so pieces come as received (no join).
                 return (await resp.content.readchunk())[0]
 
-            frames = FrameReader(piece, ctx.config.max_chunk_bytes, on_eof=truncated)
-            while True:
-                try:
-                    header, payload = await frames.next()
-                except ProtocolError as exc:
-                    raise BadGatewayError(f"bad KV stream from {address}: {exc}",
-                                          code="kv_peer_protocol") from None
-                if isinstance(header, TensorChunk):
-                    sink.accept(header, payload)
-                elif isinstance(header, StreamError):
-                    raise PeerError(header.status, f"KV peer {address}: {header.message}",
-                                    header.code)
-                elif isinstance(header, StreamEnd):
-                    break
-                else:
-                    raise BadGatewayError(f"unexpected {header.TAG!r} frame from {address}",
-                                          code="kv_peer_protocol")
+            await self._read_frames(address, sink, FrameReader(
+                piece, ctx.config.max_chunk_bytes, on_eof=truncated))
         sink.verify(params.digests)
         return sink.num_bytes
+
+    @staticmethod
+    async def _read_frames(address: str, sink: BlockSink, frames: FrameReader) -> None:
+        """Frames into `sink` until the stream's end frame; a peer's error frame raises."""
+        while True:
+            try:
+                # Payload as received pieces: the sink places each straight into the cache.
+                header, payload = await frames.next_pieces()
+            except ProtocolError as exc:
+                raise BadGatewayError(f"bad KV stream from {address}: {exc}",
+                                      code="kv_peer_protocol") from None
+            if isinstance(header, TensorChunk):
+                sink.accept(header, payload)
+            elif isinstance(header, StreamError):
+                raise PeerError(header.status, f"KV peer {address}: {header.message}",
+                                header.code)
+            elif isinstance(header, StreamEnd):
+                return
+            else:
+                raise BadGatewayError(f"unexpected {header.TAG!r} frame from {address}",
+                                      code="kv_peer_protocol")
 
     async def release(self, params: KVTransferParams) -> None:
         """Tell the prefill to free its blocks; best effort (its lease expires otherwise).

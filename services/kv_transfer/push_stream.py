@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 from services.common.errors import ApiError
-from services.kv_transfer.blocks import iter_chunks
+from services.kv_transfer.blocks import StagingRing, iter_chunks
 from services.kv_transfer.errors import ConflictError, GoneError
 from services.kv_transfer.transfer import KVContext
 from shared.engine.kv_stream import KVProgress
@@ -77,6 +77,10 @@ class PushStream:
         self._generation = 0  # bumped by every restart: a write in flight is then discarded
         self._sent: list[int] = []  # block ids written under the current generation, in order
         self._digester = self._new_digester()
+        # Reused gather buffers; a slot is reused only after the decode acknowledged its write
+        # (the whole body was read by then). Dropped on any failed write: its transport may
+        # still be flushing the buffer.
+        self._ring: StagingRing | None = None
         self._final: _Final | None = None
         self._failure: BaseException | None = None
         self._peer_failed = False  # the decode ended it: nothing to tell it
@@ -188,6 +192,10 @@ class PushStream:
             if self.registration is not None and not self._peer_failed:
                 ctx.detach(self._notify_abort(self.registration, str(exc)), "push abort to decode")
             raise
+        finally:
+            if self._ring is not None:  # every slot left was acknowledged: safe to reuse
+                self._ring.close()
+                self._ring = None
 
     async def _connect(self, reg: PushRegister) -> str:
         if self.decode_engine_id is not None and reg.engine_id != self.decode_engine_id:
@@ -209,10 +217,20 @@ class PushStream:
         (the caller looks again) when a restart or a failure happens meanwhile."""
         ctx, generation, digester = self.ctx, self._generation, self._digester
         engine_id = ctx.identity.node.engine_id
+        if self._ring is None:
+            self._ring = StagingRing(ctx.config.max_chunk_bytes, ctx.store.kv_cache.dtype,
+                                     pool=ctx.buffers)
+        ring = self._ring
         for out in iter_chunks(ctx.store.kv_cache, block_ids, ctx.geometry,
-                               ctx.config.max_chunk_bytes, digester, first_row):
+                               ctx.config.max_chunk_bytes, digester, first_row, ring):
             msg = PushWrite(engine_id, self.transfer_id, out.header)
-            await ctx.peers.call(address, "/kv/v1/push/write", msg, Ack, trailing=out.payload)
+            try:
+                await ctx.peers.call(address, "/kv/v1/push/write", msg, Ack,
+                                     trailing=out.payload)
+            except BaseException:
+                self._ring = None  # never reuse a buffer a dying transport may still send
+                raise
+            ring.done()
             self.stats.num_writes += 1
             self.stats.num_bytes += len(out.payload)
             if generation != self._generation or self._failure is not None:

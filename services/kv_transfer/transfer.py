@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.kv_transfer.blocks import BufferPool
 from services.kv_transfer.config import KVTransferConfig
 from services.kv_transfer.pairing import KVIdentity, PeerRegistry
 from services.kv_transfer.peers import PeerClient
@@ -55,6 +56,8 @@ class KVContext:
     registry: PeerRegistry
     clock: Callable[[], float]
     peer_client: PeerClient | None = None
+    # Staging buffers reused across transfers (gather slots, receive staging): event loop only.
+    buffers: BufferPool = field(default_factory=BufferPool)
     _tasks: set[asyncio.Task] = field(default_factory=set)
 
     @property

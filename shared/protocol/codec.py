@@ -14,7 +14,6 @@ Three shapes travel on the wire, all built here:
 from __future__ import annotations
 
 import dataclasses
-import io
 import struct
 import types
 from collections.abc import Awaitable, Callable
@@ -206,10 +205,11 @@ class EnvelopeReader:
     `message()` parse further; `trailing()` is a zero-copy view of raw bytes after it.
     """
 
-    def __init__(self, body: bytes) -> None:
+    def __init__(self, body: bytes | bytearray | memoryview) -> None:
         self._body = body
-        # A file-like source lets `tell()` locate the trailing bytes without copying the body.
-        self._unpacker = msgpack.Unpacker(io.BytesIO(body), raw=False, read_size=64 * 1024,
+        # A file-like source lets `tell()` locate the trailing bytes without copying the body
+        # (io.BytesIO would copy a bytearray or memoryview body: a reused receive buffer).
+        self._unpacker = msgpack.Unpacker(_ViewFile(body), raw=False, read_size=64 * 1024,
                                           max_buffer_size=MAX_HEADER_BYTES * 4)
         head = self._next("compat hash")
         if not isinstance(head, str):
@@ -245,6 +245,21 @@ class EnvelopeReader:
         return memoryview(self._body)[self._unpacker.tell():]
 
 
+class _ViewFile:
+    """The read-only file interface msgpack.Unpacker needs, over a buffer, copying only what
+    is read (the envelope, a few KiB), never the payload behind it."""
+
+    def __init__(self, buf: bytes | bytearray | memoryview) -> None:
+        self._view = memoryview(buf).cast("B")
+        self._pos = 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._view) if n < 0 else min(len(self._view), self._pos + n)
+        out = self._view[self._pos:end].tobytes()
+        self._pos = end
+        return out
+
+
 _LEN = struct.Struct(">I")
 
 
@@ -260,11 +275,12 @@ PieceSource = Callable[[], Awaitable[bytes]]
 
 
 class FrameReader:
-    """Reads frames from a byte stream; payloads are copied once, into a reused buffer.
+    """Reads frames from a byte stream, taking pieces as the transport delivered them.
 
-    Pieces are taken as the transport delivered them and copied straight into place: no
-    intermediate join into a fresh 4 MiB object per chunk, whose page faults were the largest
-    cost of receiving. A payload view is valid only until the next `next()` call.
+    `next()` copies a payload once, into a reused buffer (no join into a fresh 4 MiB object
+    per chunk, whose page faults were the largest cost of receiving); its view is valid only
+    until the next call. `next_pieces()` copies nothing: it returns views of the received
+    pieces, for a consumer that places them itself (the KV pull sink, straight into the cache).
     """
 
     def __init__(self, source: PieceSource, max_payload: int = MAX_CHUNK_BYTES,
@@ -273,24 +289,50 @@ class FrameReader:
         self._max_payload = max_payload
         self._on_eof = on_eof
         self._pending = memoryview(b"")  # received, not yet consumed
-        self._staging = bytearray(0)  # grown on first use to the largest payload seen
+        self._staging = memoryview(bytearray(0))  # grown on first use to the largest payload
 
     async def next(self) -> tuple[Message, memoryview]:
         """The next frame: (header message, payload view, empty when it has none)."""
         try:
-            (n,) = _LEN.unpack(await self._read(bytearray(4)))
-            if n > MAX_HEADER_BYTES:
-                raise ProtocolError(f"frame header of {n} bytes exceeds {MAX_HEADER_BYTES}")
-            header = decode_any(await self._read(bytearray(n)))
+            header = await self._header()
             size = header.payload_nbytes
-            if size > self._max_payload:
-                raise ProtocolError(f"frame payload of {size} bytes exceeds {self._max_payload}")
             if len(self._staging) < size:
-                self._staging = bytearray(size)
-            return header, await self._read(memoryview(self._staging)[:size])
+                self._staging = memoryview(bytearray(size))
+            return header, await self._read(self._staging[:size])
         except EOFError:
-            raise (self._on_eof() if self._on_eof
-                   else ProtocolError("stream ended inside a frame")) from None
+            raise self._eof() from None
+
+    async def next_pieces(self) -> tuple[Message, list[memoryview]]:
+        """As `next`, but the payload as the pieces it arrived in: views of the received
+        bytes, no copy at all (a consumer that scatters them saves a 4 MiB copy per chunk)."""
+        try:
+            header = await self._header()
+            pieces, need = [], header.payload_nbytes
+            while need:
+                if not self._pending:
+                    piece = await self._source()
+                    if not piece:
+                        raise EOFError
+                    self._pending = memoryview(piece)
+                k = min(need, len(self._pending))
+                pieces.append(self._pending[:k])
+                self._pending, need = self._pending[k:], need - k
+            return header, pieces
+        except EOFError:
+            raise self._eof() from None
+
+    def _eof(self) -> Exception:
+        return self._on_eof() if self._on_eof else ProtocolError("stream ended inside a frame")
+
+    async def _header(self) -> Message:
+        (n,) = _LEN.unpack(await self._read(bytearray(4)))
+        if n > MAX_HEADER_BYTES:
+            raise ProtocolError(f"frame header of {n} bytes exceeds {MAX_HEADER_BYTES}")
+        header = decode_any(await self._read(bytearray(n)))
+        if header.payload_nbytes > self._max_payload:
+            raise ProtocolError(f"frame payload of {header.payload_nbytes} bytes exceeds "
+                                f"{self._max_payload}")
+        return header
 
     async def _read(self, dst: bytearray | memoryview) -> memoryview:
         """Fill `dst` exactly from the stream; raises EOFError if it ends first."""

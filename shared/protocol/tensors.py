@@ -156,15 +156,24 @@ class RowDigester:
         self.digests: list[str | None] = [None] * num_rows
         self._partial: tuple[int, xxhash.xxh3_128, int] | None = None  # (row, hash, bytes seen)
 
-    def feed(self, box: Box, payload: bytes | memoryview) -> None:
-        view = memoryview(payload)
+    def feed(self, box: Box, payload: bytes | memoryview | list[memoryview]) -> None:
+        """Hash box `box`; `payload` is its bytes, whole or as the pieces they arrived in."""
+        pieces = payload if isinstance(payload, list) else [memoryview(payload)]
+        nbytes = sum(len(p) for p in pieces)
         first, rows = box.offset[0], box.shape[0]
-        if len(view) == rows * self.row_bytes:  # whole rows
-            for i in range(rows):
-                self.digests[first + i] = block_digest(view[i * self.row_bytes:(i + 1) * self.row_bytes])
+        if nbytes == rows * self.row_bytes:  # whole rows
+            if len(pieces) == 1:
+                view = pieces[0]
+                for i in range(rows):
+                    self.digests[first + i] = block_digest(
+                        view[i * self.row_bytes:(i + 1) * self.row_bytes])
+                return
+            for row, h in zip(range(first, first + rows), _row_hashes(pieces, self.row_bytes),
+                              strict=True):
+                self.digests[row] = h.hexdigest()
             return
         if rows != 1:
-            raise ProtocolError(f"a box of {rows} rows carries {len(view)} bytes")
+            raise ProtocolError(f"a box of {rows} rows carries {nbytes} bytes")
         start = sum(o * s for o, s in zip(box.offset[1:], self._strides, strict=True))
         if start == 0:  # a row (re)starts: an unfinished one before it stays incomplete
             self._partial = None
@@ -173,8 +182,9 @@ class RowDigester:
         if row != first or start != seen:
             raise ProtocolError(f"piece of row {first} at byte {start} out of order "
                                 f"(expected row {row} at byte {seen})")
-        h.update(view)
-        seen += len(view)
+        for piece in pieces:
+            h.update(piece)
+        seen += nbytes
         if seen >= self.row_bytes:
             self.digests[row] = h.hexdigest()
             self._partial = None
@@ -187,3 +197,16 @@ class RowDigester:
             raise ProtocolError(f"{len(expected)} digests for {len(self.digests)} blocks")
         return [i for i, (got, want) in enumerate(zip(self.digests, expected, strict=True))
                 if got != want]
+
+
+def _row_hashes(pieces: list[memoryview], row_bytes: int) -> Iterator[xxhash.xxh3_128]:
+    """One finished hash per `row_bytes` of the pieces' concatenation (no join)."""
+    h, left = xxhash.xxh3_128(), row_bytes
+    for piece in pieces:
+        while piece:
+            k = min(left, len(piece))
+            h.update(piece[:k])
+            piece, left = piece[k:], left - k
+            if not left:
+                yield h
+                h, left = xxhash.xxh3_128(), row_bytes

@@ -200,7 +200,7 @@ async def test_decode_cancelled_mid_pull_frees_and_releases(nodes, monkeypatch) 
     p = await nodes("prefill", max_chunk_bytes=4096)
     d = await nodes("decode", max_chunk_bytes=4096)
     params, _ = await offered(p, num_tokens=64)  # four chunks
-    real, frames, stalled = FrameReader.next, [], asyncio.Event()
+    real, frames, stalled = FrameReader.next_pieces, [], asyncio.Event()
 
     async def read_then_stall(self):
         frames.append(await real(self))
@@ -209,7 +209,7 @@ async def test_decode_cancelled_mid_pull_frees_and_releases(nodes, monkeypatch) 
             await asyncio.Event().wait()
         return frames[-1]
 
-    monkeypatch.setattr(FrameReader, "next", read_then_stall)
+    monkeypatch.setattr(FrameReader, "next_pieces", read_then_stall)
     task = asyncio.ensure_future(d.service.pull.fetch(params))
     await stalled.wait()
     assert d.store.blocks_in_use == 16
