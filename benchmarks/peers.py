@@ -22,6 +22,7 @@ import datetime as dt
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -39,8 +40,14 @@ PDMESH_SYSTEMS = ("pdmesh-serve", "pdmesh-up")
 PEER_SYSTEMS = ("vllm", "llamacpp-q4_1", "llamacpp-bf16")
 METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "median_e2el_ms")
 RATIO_METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
-SERVE_CMD = "{python} -m services.cli serve --role mixed --host 127.0.0.1 --port {port}"
-UP_CMD = "{python} -m services.cli up --host 127.0.0.1 --port {port}"
+# bf16 like the peers (pdmesh serve defaults to float32), and a 2 GiB KV cache like vLLM's
+# VLLM_CPU_KVCACHE_SPACE=2 (pdmesh's default 256 MiB holds ~11k tokens: 16 x 2,000-token
+# prompts would queue). `up` splits the threads over its prefill and decode worker
+# (cores / workers each), so the mesh also uses {threads} in all.
+SERVE_CMD = ("{python} -m services.cli serve --role mixed --host 127.0.0.1 --port {port} "
+             "--dtype bfloat16 --kv-cache-memory 2GiB --threads {threads}")
+UP_CMD = ("{python} -m services.cli up --host 127.0.0.1 --port {port} "
+          "--serve-cmd '{python} -m services.cli serve --dtype bfloat16 --kv-cache-memory 2GiB'")
 WARMUP_PROMPTS = 2
 
 
@@ -87,16 +94,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-lens", type=_ints, default=[200, 2000])
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompts-per-stream", type=int, default=4,
-                   help="requests per run = concurrency x this")
+                   help="requests per run = concurrency x this (unless --num-prompts)")
+    p.add_argument("--num-prompts", type=_ints, default=None,
+                   help="requests per run, one count per --concurrency value, e.g. 8,16,32")
     p.add_argument("--repeats", type=int, default=2, help="ABBA repeats per cell (even is best)")
     p.add_argument("--cache", type=Path, default=default_cache_dir() / "peers")
     p.add_argument("--hf-dir", type=Path, default=None,
                    help="HF checkpoint for vLLM and the prompt tokenizer (default: pdmesh's)")
     p.add_argument("--out-dir", type=Path, default=HERE / "results")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="threads for every system (pdmesh-up: in all, over its 2 workers)")
+    p.add_argument("--vllm-bind", default="auto",
+                   help="VLLM_CPU_OMP_THREADS_BIND: auto (vLLM's default: 1 model thread + 1 "
+                        "scheduler core on 2 cores), nobind (--threads unpinned), or a CPU list")
     p.add_argument("--pdmesh-serve-cmd", default=SERVE_CMD,
-                   help="format string with {python} and {port}")
-    p.add_argument("--pdmesh-up-cmd", default=UP_CMD, help="format string, {python} {port}")
+                   help="format string with {python}, {port}, {threads}")
+    p.add_argument("--pdmesh-up-cmd", default=UP_CMD, help="format string, {python} {port} {threads}")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--llama-force-length", action="store_true",
                    help="ban EOS in llama.cpp (it has no ignore_eos); slows it a little")
@@ -105,6 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeats < 1 or args.prompts_per_stream < 1 or args.output_len < 1:
         p.error("--repeats, --prompts-per-stream and --output-len must be >= 1")
+    if args.num_prompts is not None and len(args.num_prompts) != len(args.concurrency):
+        p.error("--num-prompts needs one count per --concurrency value")
     return args
 
 
@@ -133,11 +148,12 @@ def server_specs(args: argparse.Namespace, hf_dir: Path | None) -> list[ps.Serve
     for name in args.systems:
         port = free_port()
         if name == "pdmesh-serve":
-            specs.append(ps.pdmesh_spec(name, args.pdmesh_serve_cmd, port))
+            specs.append(ps.pdmesh_spec(name, args.pdmesh_serve_cmd, port, args.threads))
         elif name == "pdmesh-up":
-            specs.append(ps.pdmesh_spec(name, args.pdmesh_up_cmd, port))
+            specs.append(ps.pdmesh_spec(name, args.pdmesh_up_cmd, port, args.threads))
         elif name == "vllm":
-            specs.append(ps.vllm_spec(args.cache, hf_dir or Path("<hf-dir>"), port, args.threads))
+            specs.append(ps.vllm_spec(args.cache, hf_dir or Path("<hf-dir>"), port, args.threads,
+                                        args.vllm_bind))
         else:
             gguf = (args.cache / ps.BF16_GGUF_NAME) if name.endswith("bf16") else _q4_or_marker()
             specs.append(ps.llama_spec(args.cache, name, gguf, port, args.threads,
@@ -157,6 +173,8 @@ def prompts_path(args: argparse.Namespace, cell: Cell, rep: int) -> Path:
 
 
 def num_prompts(args: argparse.Namespace, cell: Cell) -> int:
+    if args.num_prompts is not None:
+        return args.num_prompts[args.concurrency.index(cell.concurrency)]
     return cell.concurrency * args.prompts_per_stream
 
 
@@ -330,7 +348,7 @@ def start_servers(args: argparse.Namespace, hf_dir: Path) -> dict[str, ps.Runnin
 
 
 def run_matrix(args: argparse.Namespace, servers: dict[str, ps.RunningServer],
-               run_dir: Path) -> list[tuple[Run, dict]]:
+               run_dir: Path, stamp: str) -> list[tuple[Run, dict]]:
     warm = Cell(1, min(args.input_lens))
     for name, server in servers.items():  # first requests pay for lazy init; not measured
         argv = bench_argv(args, Run(warm, 0, name), server.spec, server.model_id,
@@ -347,11 +365,19 @@ def run_matrix(args: argparse.Namespace, servers: dict[str, ps.RunningServer],
         if not out.exists():
             raise RuntimeError(f"bench failed for {run}: {proc.stderr[-2000:]}")
         data = json.loads(out.read_text())
+        data["loadavg_1m"] = os.getloadavg()[0]  # the machine is shared: keep the load per run
+        print(f"  {data['output_throughput']:.1f} tok/s, TTFT {data['median_ttft_ms']:.0f} ms, "
+              f"TPOT {data['median_tpot_ms']:.1f} ms, load {data['loadavg_1m']:.2f}", flush=True)
         if data["failed"] or data["client"]["high"]:
             print(f"  note: failed={data['failed']} client CPU "
                   f"{data['client']['percent_of_core']:.0f}%")
         results.append((run, data))
+        write_json(args, stamp, results)  # partial results survive an interrupted matrix
     return results
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,33 +385,46 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print_plan(args)
         return 0
+    # SIGTERM, and SIGINT even when started in the background (where the shell ignores it),
+    # unwind through the `finally` that stops every server; partial results are already saved.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     hf_dir = prepare(args)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = args.cache / "runs" / stamp
     run_dir.mkdir(parents=True, exist_ok=True)
     servers = start_servers(args, hf_dir)
     try:
-        results = run_matrix(args, servers, run_dir)
+        results = run_matrix(args, servers, run_dir, stamp)
     finally:
         for server in servers.values():
             server.stop()
+    rows = write_json(args, stamp, results)
+    print(format_table(rows))
+    write_png(rows, args.out_dir / f"peers-{stamp}.png")
+    print(f"wrote {args.out_dir}/peers-{stamp}.json and .png")
+    return 0
+
+
+def write_json(args: argparse.Namespace, stamp: str,
+               results: list[tuple[Run, dict]]) -> list[dict[str, object]]:
+    """benchmarks/results/peers-<stamp>.json from the runs so far; returns the ratio rows."""
     summary = summarize(results)
     rows = ratios(summary)
-    print(format_table(rows))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     payload = {
         "version": 1, "date": stamp, "machine": {"cpus": os.cpu_count(),
                                                    "platform": platform.platform()},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "runs": [{**asdict(run), **{m: data[m] for m in METRICS}, "failed": data["failed"],
+                  "loadavg_1m": data["loadavg_1m"], "completed": data["completed"],
+                  "total_output_tokens": data["total_output_tokens"],
                   "client_cpu_percent": data["client"]["percent_of_core"]}
                  for run, data in results],
         "summary": summary, "ratios": rows,
     }
     (args.out_dir / f"peers-{stamp}.json").write_text(json.dumps(payload, indent=2) + "\n")
-    write_png(rows, args.out_dir / f"peers-{stamp}.png")
-    print(f"wrote {args.out_dir}/peers-{stamp}.json and .png")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

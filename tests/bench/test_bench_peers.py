@@ -119,3 +119,37 @@ def test_bf16_gguf_conversion(tmp_path: Path) -> None:
     # bf16 keeps 8 significant bits: relative error at most 2**-8 against the Q8_0 values
     np.testing.assert_allclose(got, q8, rtol=2**-8, atol=0)
     np.testing.assert_array_equal(np.asarray(tensors["output_norm.weight"].data), norm)
+
+
+def test_prompt_counts_and_pdmesh_commands(tmp_path: Path) -> None:
+    args = peers.parse_args(["--cache", str(tmp_path), "--concurrency", "1,4,16",
+                             "--num-prompts", "8,16,32", "--threads", "2"])
+    assert [peers.num_prompts(args, peers.Cell(c, 200)) for c in (1, 4, 16)] == [8, 16, 32]
+    default = peers.parse_args(["--cache", str(tmp_path), "--prompts-per-stream", "3"])
+    assert peers.num_prompts(default, peers.Cell(4, 200)) == 12
+    with pytest.raises(SystemExit):  # one count per concurrency value
+        peers.parse_args(["--concurrency", "1,4", "--num-prompts", "8"])
+    specs = {s.name: s for s in peers.server_specs(args, tmp_path)}
+    serve = specs["pdmesh-serve"].argv
+    assert serve[serve.index("--dtype") + 1] == "bfloat16"
+    assert serve[serve.index("--threads") + 1] == "2"
+    up = specs["pdmesh-up"].argv
+    # the quoted worker command stays one argument
+    worker = up[up.index("--serve-cmd") + 1]
+    assert worker.endswith("-m services.cli serve --dtype bfloat16 --kv-cache-memory 2GiB")
+
+
+def test_decode_rate_and_losing_rows() -> None:
+    import llamacpp_decode
+    import peers_table
+
+    # 5 tokens, 10 ms apart after the first: 4 decode tokens in 40 ms (prefill excluded)
+    assert llamacpp_decode.decode_rate([1.0, 1.01, 1.02, 1.03, 1.04]) == pytest.approx(100.0)
+    assert llamacpp_decode.prompt_ids(3) == llamacpp_decode.prompt_ids(3)  # shared prompts
+    rows = [{"cell": "c1/in200", "pdmesh": "pdmesh-serve", "peer": "vllm",
+             "output_throughput": 0.5, "median_ttft_ms": 2.0, "median_tpot_ms": 2.0},
+            {"cell": "c4/in200", "pdmesh": "pdmesh-serve", "peer": "vllm",
+             "output_throughput": 1.5, "median_ttft_ms": None, "median_tpot_ms": 0.5}]
+    table, losing = peers_table.ratio_table(rows)
+    assert losing == ["c1/in200 pdmesh-serve vs vllm: 0.50x tok/s"]
+    assert "0.50x **(pdmesh loses)**" in table and "| 1.50x | - | 0.50x |" in table
