@@ -1,21 +1,45 @@
 """benchmarks/peers.py without installing any peer: arguments, the dry-run plan, ABBA order,
-ratios, the PNG, and the bf16 GGUF conversion on a tiny synthetic file."""
+ratios, the PNG, and the bf16 GGUF conversion on a tiny synthetic file.
+
+The benchmark scripts put benchmarks/ on sys.path when imported. It must not stay there:
+benchmarks/kernels.py would then shadow the `kernels` package in every process spawned later
+(pipeline stages), so sys.path is restored after the imports and after each test.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
 
 from services.bench.plot import PlotUnavailable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
-import peer_servers  # noqa: E402
-import peers  # noqa: E402
+
+def _import_benchmarks(*names: str) -> list[ModuleType]:
+    saved = list(sys.path)
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return [importlib.import_module(name) for name in names]
+    finally:
+        sys.path[:] = saved
+
+
+peer_servers, peers, llamacpp_decode, peers_table = _import_benchmarks(
+    "peer_servers", "peers", "llamacpp_decode", "peers_table")
+
+
+@pytest.fixture(autouse=True)
+def _keep_sys_path() -> Iterator[None]:
+    saved = list(sys.path)
+    yield
+    sys.path[:] = saved
 
 
 def test_arguments_and_validation(tmp_path: Path) -> None:
@@ -140,9 +164,6 @@ def test_prompt_counts_and_pdmesh_commands(tmp_path: Path) -> None:
 
 
 def test_decode_rate_and_losing_rows() -> None:
-    import llamacpp_decode
-    import peers_table
-
     # 5 tokens, 10 ms apart after the first: 4 decode tokens in 40 ms (prefill excluded)
     assert llamacpp_decode.decode_rate([1.0, 1.01, 1.02, 1.03, 1.04]) == pytest.approx(100.0)
     assert llamacpp_decode.prompt_ids(3) == llamacpp_decode.prompt_ids(3)  # shared prompts
