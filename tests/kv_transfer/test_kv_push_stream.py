@@ -29,6 +29,17 @@ async def opened(p: Node, d: Node, transfer_id: str = "t"):
     return stream, receive
 
 
+async def mid_stream(nodes):
+    """A paired prefill and decode with a push stream open and its first 4 blocks delivered:
+    (prefill, decode, the prefill's block ids, the stream, the decode's receive future)."""
+    p, d = await pair(nodes)
+    ids = await prefill_request(p, "req", TOKENS)
+    stream, receive = await opened(p, d)
+    stream.feed(KVProgress("req", tuple(ids[:4]), 0))
+    await stream.flushed()
+    return p, d, ids, stream, receive
+
+
 def decode_rows(d: Node, stream, rows: int) -> torch.Tensor:
     """The decode's copy of the first `rows` blocks (its registered blocks, in order)."""
     assert stream.registration is not None
@@ -97,11 +108,7 @@ async def test_held_blocks_other_than_those_written_are_rewritten(nodes) -> None
 
 
 async def test_prefill_abort_mid_stream_frees_both_sides(nodes) -> None:
-    p, d = await pair(nodes)
-    ids = await prefill_request(p, "req", TOKENS)
-    stream, receive = await opened(p, d)
-    stream.feed(KVProgress("req", tuple(ids[:4]), 0))
-    await stream.flushed()
+    p, d, ids, stream, receive = await mid_stream(nodes)
     stream.abort("client went away")
     with pytest.raises(ApiError) as err:
         await receive
@@ -114,11 +121,7 @@ async def test_prefill_abort_mid_stream_frees_both_sides(nodes) -> None:
 
 
 async def test_decode_abort_mid_stream_ends_the_stream_at_once(nodes) -> None:
-    p, d = await pair(nodes)
-    ids = await prefill_request(p, "req", TOKENS)
-    stream, receive = await opened(p, d)
-    stream.feed(KVProgress("req", tuple(ids[:4]), 0))
-    await stream.flushed()
+    p, d, ids, stream, receive = await mid_stream(nodes)
     receive.cancel()  # the decode's client went away: it tells the prefill
     with pytest.raises(asyncio.CancelledError):
         await receive
@@ -131,11 +134,7 @@ async def test_decode_abort_mid_stream_ends_the_stream_at_once(nodes) -> None:
 
 
 async def test_prefill_shutdown_aborts_open_streams(nodes) -> None:
-    p, d = await pair(nodes)
-    ids = await prefill_request(p, "req", TOKENS)
-    stream, receive = await opened(p, d)
-    stream.feed(KVProgress("req", tuple(ids[:4]), 0))
-    await stream.flushed()
+    p, d, ids, stream, receive = await mid_stream(nodes)
     await p.runner.cleanup()  # the prefill's KV service stops with a stream open
     assert stream.task.done() and p.service.push.sender.streams == {}
     with pytest.raises(ApiError) as err:
