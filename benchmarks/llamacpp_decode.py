@@ -1,7 +1,7 @@
 """Single-stream decode tok/s: pdmesh (bf16, MXFP4) against llama.cpp (Q4_1, bf16), one run.
 
     .venv/bin/python benchmarks/llamacpp_decode.py [--rounds 3] [--threads 2]
-        [--systems pdmesh-bf16,pdmesh-mxfp4,llamacpp-q4_1,llamacpp-bf16]
+        [--systems pdmesh-bf16,pdmesh-mxfp4,pdmesh-mxfp4-head,llamacpp-q4_1,llamacpp-bf16]
         [--cache ~/.cache/pdmesh/peers] [--decode-tokens 128] [--json out.json]
 
 Issue #7's end-to-end figure. Every system runs in its own fresh subprocess per round (pdmesh
@@ -28,7 +28,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SYSTEMS = ("pdmesh-bf16", "pdmesh-mxfp4", "llamacpp-q4_1", "llamacpp-bf16")
+# pdmesh-mxfp4-head: the LM head in MXFP4 too (llama.cpp's Q4_1 file keeps its head at Q8_0).
+SYSTEMS = ("pdmesh-bf16", "pdmesh-mxfp4", "pdmesh-mxfp4-head", "llamacpp-q4_1", "llamacpp-bf16")
 VOCAB_LOW, VOCAB_HIGH = 100, 40000  # plain-text token ids of SmolLM2's vocabulary
 PROMPT_LEN = 16
 
@@ -44,7 +45,7 @@ def decode_rate(stamps: list[float]) -> float:
 
 
 # ---- children: one system each, printing one JSON line ---------------------------------------
-def child_pdmesh(args: argparse.Namespace, quantization: str | None) -> list[float]:
+def child_pdmesh(args: argparse.Namespace, quantization: str | None, head: bool) -> list[float]:
     sys.path.insert(0, str(ROOT))
     from shared.config import EngineConfig
     from shared.engine.engine import LLMEngine
@@ -52,7 +53,7 @@ def child_pdmesh(args: argparse.Namespace, quantization: str | None) -> list[flo
 
     engine = LLMEngine.from_config(EngineConfig(
         model="smollm2-135m-instruct", dtype="bfloat16", num_threads=args.threads,
-        quantization=quantization, enable_prefix_caching=False))
+        quantization=quantization, quantize_lm_head=head, enable_prefix_caching=False))
     engine.warmup()
 
     def once(seed: int, n: int) -> list[float]:
@@ -135,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.side:
         if args.side.startswith("pdmesh"):
-            rates = child_pdmesh(args, "mxfp4" if args.side.endswith("mxfp4") else None)
+            rates = child_pdmesh(args, "mxfp4" if "mxfp4" in args.side else None,
+                                 args.side.endswith("-head"))
         else:
             rates = child_llama(args, args.gguf)
         print(json.dumps(rates))
@@ -147,17 +149,17 @@ def main(argv: list[str] | None = None) -> int:
         for system in (systems if r % 2 == 0 else systems[::-1]):
             got = run_child(args, system)
             rates[system] += got
-            print(f"round {r} {system:<14} " + " ".join(f"{v:6.1f}" for v in got)
+            print(f"round {r} {system:<18} " + " ".join(f"{v:6.1f}" for v in got)
                   + f"  load {os.getloadavg()[0]:.2f}", flush=True)
     load_after = os.getloadavg()
     print(f"\nsingle-stream decode tok/s, {args.threads} threads, {args.decode_tokens} tokens, "
           f"{args.rounds} rounds x {args.reps} reps; load {load_before[0]:.2f} -> "
           f"{load_after[0]:.2f}")
-    print(f"{'system':<16}{'median':>8}{'best':>8}")
+    print(f"{'system':<20}{'median':>8}{'best':>8}")
     summary = {s: {"median": statistics.median(v), "best": max(v), "all": v}
                for s, v in rates.items()}
     for s, v in summary.items():
-        print(f"{s:<16}{v['median']:>8.1f}{v['best']:>8.1f}")
+        print(f"{s:<20}{v['median']:>8.1f}{v['best']:>8.1f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({

@@ -38,6 +38,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     num_threads: int | None = None
     quantization: str | None = None  # None | "mxfp4"
+    quantize_lm_head: bool = False  # with quantization: the (tied) LM head too
     seed: int = 0
     cache_dir: Path | None = None  # None: default_cache_dir()
 
@@ -52,6 +53,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.quantization not in (None, "mxfp4"):
             raise ValueError(f"quantization must be mxfp4 or unset, got {self.quantization!r}")
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head needs quantization (mxfp4)")
 
     @property
     def resolved_kv_dtype(self) -> str:

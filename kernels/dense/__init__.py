@@ -35,6 +35,7 @@ from kernels.dense.layer import (
     LayerGeometry,
     LayerWeights,
     NativeDecoder,
+    Projection,
     StepTables,
     native_decoder,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "LayerGeometry",
     "LayerWeights",
     "NativeDecoder",
+    "Projection",
     "StepTables",
     "accelerate_linears",
     "available_backends",

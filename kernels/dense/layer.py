@@ -10,11 +10,12 @@ over each sequence's context straight from its block table (no gather, no paddin
 chunks and decode rows in one batch). decoder_layer runs a whole pre-norm Llama block on the
 bf16 residual stream h [T, hidden]: RMSNorm, fused-qkv projection, RoPE + cache write +
 attention, o projection + residual, RMSNorm, gate/up projection, SiLU * up, down projection +
-residual. Projections of up to MAX_ROWS rows run the dense GEMV, larger ones (prefill)
-torch's bf16 GEMM, as DenseLinear does. Numerics follow HF in bf16 (fp32 math, bf16 rounding
-after each op, attention in fp32), so the plain-torch layer in shared/model/llama.py is the
-oracle (tests/kernels/test_dense_layer.py). The elementwise ops (rms_norm, add_rms_norm,
-silu_mul, add_) serve layers whose linears are not dense bf16 (MXFP4).
+residual. A dense projection of up to 32 rows runs the dense GEMV, a larger one (prefill) torch's
+bf16 GEMM, as DenseLinear does; an MXFP4 projection runs kernels.mxfp4's fused kernel on the
+packed bytes, as MXFP4Linear does for decode rows. Numerics follow HF in bf16 (fp32 math, bf16
+rounding after each op, attention in fp32), so the plain-torch layer in shared/model/llama.py
+is the oracle (tests/kernels/test_dense_layer.py). The elementwise ops (rms_norm, add_rms_norm,
+silu_mul, add_) serve callers that run the projections themselves (an MXFP4 prefill).
 Everything here is bf16-only: the model, the cache and the cos/sin table.
 """
 
@@ -25,6 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from kernels.dense.backend import Backend, KernelPath
+from kernels.mxfp4.backend import Backend as Mxfp4Backend
+
+# The kernels.mxfp4 code path of packed projections: the AVX-512 one, as this library needs.
+MXFP4_PATH = Mxfp4Backend.AVX512.path_id
 
 
 @dataclass(frozen=True)
@@ -39,31 +44,63 @@ class LayerGeometry:
 
 
 @dataclass(frozen=True)
-class LayerWeights:
-    """One layer's bf16 parameters (the model's own tensors, not copies).
+class Projection:
+    """One linear's tensors (the model's own, not copies): dense, weight bf16 [n, k] with an
+    optional bf16 or fp32 bias; or MXFP4, weight = blocks uint8 [n, k/32, 16] with scales uint8
+    [n, k/32] and an optional fp32 bias (kernels/README.md has the format)."""
 
-    w_qkv [(H + 2 KVH) D, hidden] with optional bias, w_o [hidden, H D] with optional bias,
-    w_gu [2 I, hidden] (gate rows then up rows), w_down [hidden, I], ln1 / ln2 [hidden].
-    """
-
-    ln1: torch.Tensor
-    w_qkv: torch.Tensor
-    b_qkv: torch.Tensor | None
-    w_o: torch.Tensor
-    b_o: torch.Tensor | None
-    ln2: torch.Tensor
-    w_gu: torch.Tensor
-    w_down: torch.Tensor
+    weight: torch.Tensor
+    scales: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        for name, t in vars(self).items():
-            if t is not None and (t.dtype != torch.bfloat16 or not t.is_contiguous()):
+        dense = self.scales is None
+        want = ((torch.bfloat16, 2) if dense else (torch.uint8, 3))
+        if (self.weight.dtype, self.weight.dim()) != want or not self.weight.is_contiguous():
+            raise ValueError(f"Projection.weight must be a contiguous {want[0]} {want[1]}-D tensor")
+        if not dense and (self.scales.dtype != torch.uint8 or not self.scales.is_contiguous()):
+            raise ValueError("Projection.scales must be a contiguous uint8 tensor")
+        bias_dtypes = (torch.bfloat16, torch.float32) if dense else (torch.float32,)
+        if self.bias is not None and (self.bias.dtype not in bias_dtypes
+                                      or not self.bias.is_contiguous()):
+            raise ValueError(f"Projection.bias must be a contiguous {bias_dtypes} tensor")
+
+    @property
+    def packed(self) -> bool:
+        return self.scales is not None
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One layer's parameters: bf16 norm weights ln1 / ln2 [hidden] and four projections,
+    qkv [(H + 2 KVH) D, hidden], o [hidden, H D], gate_up [2 I, hidden] (gate rows then up
+    rows) and down [hidden, I], each dense bf16 or MXFP4."""
+
+    ln1: torch.Tensor
+    qkv: Projection
+    o: Projection
+    ln2: torch.Tensor
+    gate_up: Projection
+    down: Projection
+
+    def __post_init__(self) -> None:
+        for name in ("ln1", "ln2"):
+            t = getattr(self, name)
+            if t.dtype != torch.bfloat16 or not t.is_contiguous():
                 raise ValueError(f"LayerWeights.{name} must be a contiguous bf16 tensor")
 
+    @property
+    def packed(self) -> bool:
+        """Some projection is MXFP4."""
+        return any(p.packed for p in (self.qkv, self.o, self.gate_up, self.down))
+
     def as_list(self) -> list[torch.Tensor | None]:
-        """The 8 tensors in the order decoder_layers takes them."""
-        return [self.ln1, self.w_qkv, self.b_qkv, self.w_o, self.b_o, self.ln2, self.w_gu,
-                self.w_down]
+        """The 14 entries decoder_layers takes per layer: ln1, ln2, then (weight, scales,
+        bias) of qkv, o, gate_up and down."""
+        out: list[torch.Tensor | None] = [self.ln1, self.ln2]
+        for p in (self.qkv, self.o, self.gate_up, self.down):
+            out += [p.weight, p.scales, p.bias]
+        return out
 
 
 @dataclass(frozen=True)
@@ -79,8 +116,10 @@ class NativeDecoder:
     """The fused-layer and paged-attention ops of the loaded dense library.
 
     Holds the KernelPath whose library registered the ops; the GEMVs inside decoder_layer take
-    the same code path (vdpbf16ps or FMA) that the path's DenseLinear would. Inputs are
-    validated in C++ (a bad block table raises instead of reading out of bounds).
+    the same code path (vdpbf16ps or FMA) that the path's DenseLinear would, and MXFP4
+    projections the AVX-512 path of kernels.mxfp4's full library (MXFP4_PATH), which must be
+    loaded. Inputs are validated in C++ (a bad block table raises instead of reading out of
+    bounds).
     """
 
     def __init__(self, path: KernelPath) -> None:
@@ -104,7 +143,7 @@ class NativeDecoder:
         per step); stack = the layers' LayerWeights.as_list() concatenated, layer 0 first."""
         self._layers(h, kv_cache, cos_sin, tables.block_tables, tables.context_lens,
                      tables.query_start, stack, g.num_heads, g.num_kv_heads, g.rms_norm_eps,
-                     g.scale, self._path_id)
+                     g.scale, self._path_id, MXFP4_PATH)
 
     def rope_attention(self, qkv: torch.Tensor, kv_layer: torch.Tensor, cos_sin: torch.Tensor,
                        tables: StepTables, g: LayerGeometry) -> torch.Tensor:
@@ -116,13 +155,10 @@ class NativeDecoder:
     def decoder_layer(self, h: torch.Tensor, kv_layer: torch.Tensor, cos_sin: torch.Tensor,
                       tables: StepTables, w: LayerWeights, g: LayerGeometry) -> None:
         """h [T, hidden] bf16 (contiguous) -> h after the whole block, in place."""
-        self._ops.decoder_layer(
-            h, kv_layer, cos_sin, tables.block_tables, tables.context_lens, tables.query_start,
-            w.ln1, w.w_qkv, w.b_qkv, w.w_o, w.b_o, w.ln2, w.w_gu, w.w_down,
-            g.num_heads, g.num_kv_heads, g.rms_norm_eps, g.scale, self._path_id)
+        self.decoder_layers(h, kv_layer.unsqueeze(0), cos_sin, tables, w.as_list(), g)
 
-    # The block's elementwise steps alone (bf16 [T, n] contiguous), for layers whose linears
-    # the caller runs itself (MXFP4): same numerics as inside decoder_layer.
+    # The block's elementwise steps alone (bf16 [T, n] contiguous), for callers that run the
+    # projections themselves (an MXFP4 prefill): same numerics as inside decoder_layer.
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """x [T, n] -> bf16(bf16(x * rsqrt(mean(x^2) + eps)) * w)."""
         return self._ops.rms_norm(x, w, eps)

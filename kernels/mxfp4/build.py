@@ -32,6 +32,9 @@ _CPU_AVX512 = 2
 _CPU_BF16 = 4
 
 
+# The full (AVX-512) variant's namespace: kernels/dense's fused decoder layer calls its linear op.
+FULL_NAMESPACE = "pdmesh_mxfp4"
+
 class Variant(StrEnum):
     """Which code the library contains: scalar + AVX-512 with run-time dispatch, or scalar only."""
 
@@ -70,7 +73,7 @@ class BuildConfig:
     @property
     def namespace(self) -> str:
         """Extension name and torch.ops namespace; distinct per variant (both can be loaded)."""
-        return "pdmesh_mxfp4" if self.variant is Variant.FULL else "pdmesh_mxfp4_scalar"
+        return FULL_NAMESPACE if self.variant is Variant.FULL else "pdmesh_mxfp4_scalar"
 
     @property
     def build_dir(self) -> Path:

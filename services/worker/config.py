@@ -128,6 +128,7 @@ class WorkerConfig:
             enable_chunked_prefill=not args.no_chunked_prefill,
             num_threads=args.threads,
             quantization=args.quantization,
+            quantize_lm_head=args.quantize_lm_head,
             seed=args.seed,
         )
         role = WorkerRole(args.role)
@@ -177,6 +178,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--no-chunked-prefill", action="store_true")
     eng.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     eng.add_argument("--quantization", default=None, choices=["mxfp4"])
+    eng.add_argument("--quantize-lm-head", action="store_true",
+                     help="with --quantization: the (tied) LM head too (faster decode, higher "
+                          "perplexity; see kernels/README.md)")
     eng.add_argument("--seed", type=int, default=d.seed)
     add_kv_arguments(parser)
     parser.add_argument("--kv-load-failure-policy", default=KVLoadFailurePolicy.FAIL.value,

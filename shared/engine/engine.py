@@ -24,6 +24,7 @@ from shared.engine.runner import KV_DTYPES, CausalLM, KVGeometry, ModelRunner
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.model.config import ModelConfig
+from shared.model.quant import QuantConfig, QuantMethod
 from shared.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class LLMEngine:
 
         model_dir = resolve_model(config.model, config.resolved_cache_dir)
         model, model_config = load_model(model_dir, config.dtype,
-                                         quantization=config.quantization)
+                                         quantization=_quant_config(config))
         _accelerate(model, config)
         return cls(config, model, model_config, Tokenizer(model_dir), model_dir=model_dir,
                    fingerprint=open_checkpoint(model_dir).fingerprint())
@@ -273,6 +274,15 @@ class LLMEngine:
             self.step()
         self.kv.reset_prefix_cache()
         self.scheduler.num_preemptions = 0
+
+
+def _quant_config(config: EngineConfig) -> QuantConfig | None:
+    """config.quantization as a QuantConfig; None leaves the LM head to the default (dense, or
+    what a pre-quantised checkpoint stores)."""
+    if config.quantization is None:
+        return None
+    return QuantConfig(method=QuantMethod(config.quantization),
+                       quantize_lm_head=True if config.quantize_lm_head else None)
 
 
 def _accelerate(model: torch.nn.Module, config: EngineConfig) -> None:

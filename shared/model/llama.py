@@ -18,7 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.dense.layer import LayerGeometry, LayerWeights, NativeDecoder, StepTables
+from kernels.dense.layer import (
+    LayerGeometry,
+    LayerWeights,
+    NativeDecoder,
+    Projection,
+    StepTables,
+)
+from kernels.mxfp4.backend import FUSED_MAX_ROWS
 from shared.model.attention import AttentionMetadata, paged_attention
 from shared.model.config import ModelConfig
 from shared.model.quant import (
@@ -140,9 +147,10 @@ class DecoderLayer(nn.Module):
                        tables: StepTables, native: NativeDecoder, g: LayerGeometry
                        ) -> torch.Tensor:
         """forward through native kernels on x [T, hidden] (bf16, contiguous, updated in
-        place): the whole block in one call for a dense bf16 layer, else the native norms,
-        attention, SiLU and residual adds around this layer's own linears (MXFP4)."""
-        if self.fused is not None:
+        place): the whole block in one call, except for an MXFP4 layer over more than
+        FUSED_MAX_ROWS rows (prefill), whose linears then dequantise for torch's GEMM between
+        the native norms, attention, SiLU and residual adds."""
+        if self.fused is not None and fuses(self.fused.packed, x.shape[0]):
             native.decoder_layer(x, kv_layer, cos_sin, tables, self.fused, g)
             return x
         attn, mlp = self.self_attn, self.mlp
@@ -152,22 +160,42 @@ class DecoderLayer(nn.Module):
         native.add_(x, mlp.down_proj(native.silu_mul(mlp.gate_up_proj(xn))))
         return x
 
-    def dense_weights(self) -> LayerWeights | None:
-        """This layer's tensors for the fused native block, or None when a linear is not a
-        dense bf16 one (MXFP4) or the model is not bf16."""
+    def native_weights(self) -> LayerWeights | None:
+        """This layer's tensors for the fused native block, or None when a linear is neither
+        dense bf16 nor MXFP4 on the AVX-512 kernels, or the model is not bf16."""
         attn, mlp = self.self_attn, self.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(isinstance(m, MXFP4Linear) or not isinstance(getattr(m, "weight", None),
-                                                             torch.Tensor) for m in linears):
+        projections = [_projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                mlp.down_proj)]
+        if any(p is None for p in projections):
             return None
+        qkv, o, gate_up, down = projections
         try:
-            return LayerWeights(
-                ln1=self.input_layernorm.weight, w_qkv=attn.qkv_proj.weight,
-                b_qkv=attn.qkv_proj.bias, w_o=attn.o_proj.weight, b_o=attn.o_proj.bias,
-                ln2=self.post_attention_layernorm.weight, w_gu=mlp.gate_up_proj.weight,
-                w_down=mlp.down_proj.weight)
-        except ValueError:  # not bf16, or not contiguous
+            return LayerWeights(ln1=self.input_layernorm.weight, qkv=qkv, o=o,
+                                ln2=self.post_attention_layernorm.weight, gate_up=gate_up,
+                                down=down)
+        except ValueError:  # norms not bf16
             return None
+
+
+def fuses(packed: bool, rows: int) -> bool:
+    """Whether a step of `rows` rows runs fused layers. MXFP4 ones only up to FUSED_MAX_ROWS:
+    past that, dequantising once for torch's GEMM beats the GEMV kernel (MXFP4Linear's split)."""
+    return not packed or rows <= FUSED_MAX_ROWS
+
+
+def _projection(linear: nn.Module) -> Projection | None:
+    """A linear's tensors for the fused layer, or None if the native kernels cannot run it."""
+    try:
+        if isinstance(linear, MXFP4Linear):
+            if not linear.fusable:
+                return None
+            return Projection(linear.weight_blocks, linear.weight_scales, linear.bias)
+        weight = getattr(linear, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            return None
+        return Projection(weight, None, getattr(linear, "bias", None))
+    except ValueError:  # wrong dtype or layout
+        return None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -213,12 +241,14 @@ class LlamaForCausalLM(nn.Module):
                                       config.rms_norm_eps, config.head_dim ** -0.5)
         self.native: NativeDecoder | None = None  # see use_native
         self._fused_stack: list[torch.Tensor | None] | None = None
+        self._stack_packed = False  # some fused layer is MXFP4 (see fuses)
         self.requires_grad_(False)
 
     def use_native(self, native: NativeDecoder) -> int:
         """Route forward through native's kernels (kernels.dense.layer) from now on: paged
-        attention reads block tables directly, and layers whose linears are all dense bf16 run
-        as one fused call per decode step. Returns the number of fully fused layers.
+        attention reads block tables directly, and layers whose linears are dense bf16 or
+        MXFP4 run as fused blocks, the whole stack in one call per decode step. Returns the
+        number of fused layers.
 
         Only for bf16 models over a bf16 KV cache (forward checks the cache each step and
         runs the plain-torch path otherwise, which stays the oracle). A head layout the kernels
@@ -230,11 +260,12 @@ class LlamaForCausalLM(nn.Module):
             return 0
         self.native = native
         for layer in self.layers:
-            layer.fused = layer.dense_weights()
+            layer.fused = layer.native_weights()
         fused = [layer.fused for layer in self.layers if layer.fused is not None]
         # Every layer fused: the whole stack runs as one native call per step.
         self._fused_stack = ([t for w in fused for t in w.as_list()]
                              if len(fused) == len(self.layers) else None)
+        self._stack_packed = any(w.packed for w in fused)
         return len(fused)
 
     @property
@@ -258,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = self.rotary.table(int(meta.context_lens.max()))  # positions < max context
         if not self.is_first:  # fused layers update h in place: never the caller's tensor
             h = h.clone(memory_format=torch.contiguous_format)
-        if self._fused_stack is not None:
+        if self._fused_stack is not None and fuses(self._stack_packed, h.shape[0]):
             native.decoder_layers(h, kv_cache, cos_sin, tables, self._fused_stack, self.geometry)
             return self.norm(h) if self.norm is not None else h
         for i, layer in enumerate(self.layers):

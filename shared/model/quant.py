@@ -27,6 +27,7 @@ from torch import nn
 
 from kernels import mxfp4
 from kernels.mxfp4.backend import FUSED_MAX_ROWS
+from kernels.mxfp4.build import FULL_NAMESPACE
 
 BLOCK = 32  # elements per MXFP4 block: in_features must be a multiple
 PACKED_SUFFIXES = ("weight_blocks", "weight_scales")
@@ -168,6 +169,14 @@ class MXFP4Linear(nn.Module):
              scratch: DequantScratch) -> MXFP4Linear:
         return cls(linear.in_features, linear.out_features, linear.bias is not None, path,
                    scratch)
+
+    @property
+    def fusable(self) -> bool:
+        """Whether kernels.dense's fused decoder layer can run this linear's packed weights
+        (it calls the AVX-512 path of the full library: see kernels/dense/layer.py)."""
+        lib = self.path.library
+        return (self.path.backend is mxfp4.Backend.AVX512 and lib is not None
+                and lib.namespace == FULL_NAMESPACE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else -1

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kernels.dense as dense
-from kernels.dense import LayerGeometry, NativeDecoder, StepTables
+from kernels.dense import LayerGeometry, NativeDecoder, Projection, StepTables
 from shared.model.attention import AttentionMetadata, paged_attention
 from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_model
@@ -165,13 +165,43 @@ def test_use_native_refuses_fp32(native: NativeDecoder, tmp_path_factory: pytest
 
 def test_native_mxfp4_model_matches_plain_torch(native: NativeDecoder,
                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
-    """MXFP4 linears are not fused: native norms, attention, SiLU and adds run around them."""
+    """MXFP4 layers fuse as well, with kernels.mxfp4's fused GEMV inside the native block."""
     ckpt = _checkpoint("llama", tmp_path_factory.getbasetemp())
     truth = _run(load_model(ckpt, "float32", quantization="mxfp4")[0], STEPS)
     model = load_model(ckpt, "bfloat16", quantization="mxfp4")[0]
     plain = _run(model, STEPS)
-    assert model.use_native(native) == 0
+    assert model.use_native(native) == model.num_local_layers
+    assert all(layer.fused is not None and layer.fused.packed for layer in model.layers)
     fused = _run(model, STEPS)
     assert (fused - truth).abs().max() <= 1.25 * (plain - truth).abs().max()
     assert (fused - truth).abs().mean() <= 1.25 * (plain - truth).abs().mean()
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the fp32 qkv bias of MXFP4Linear
+def test_fused_mxfp4_block_equals_the_native_ops(native: NativeDecoder, arch: str,
+                                                 tmp_path_factory: pytest.TempPathFactory
+                                                 ) -> None:
+    """The fused MXFP4 stack runs exactly the kernels of the op-by-op native path (norms,
+    MXFP4Linear's fused op, attention, SiLU, adds), so its decode steps are bit-identical. The
+    52-row prefill step takes the op-by-op path in both runs (past FUSED_MAX_ROWS)."""
+    ckpt = _checkpoint(arch, tmp_path_factory.getbasetemp())
+    model = load_model(ckpt, "bfloat16", quantization="mxfp4")[0]
+    model.use_native(native)
+    stacked = _run(model, STEPS)
+    for layer in model.layers:
+        layer.fused = None
+    model._fused_stack = None
+    assert torch.equal(_run(model, STEPS), stacked)
+
+
+def test_fused_layer_rejects_a_mislabelled_projection(native: NativeDecoder) -> None:
+    """A packed weight must come with scales, and a dense one must be bf16 2-D."""
+    with pytest.raises(ValueError, match="uint8 3-D"):
+        Projection(torch.zeros(4, 1, 16, dtype=torch.bfloat16), torch.zeros(4, 1,
+                                                                              dtype=torch.uint8))
+    with pytest.raises(ValueError, match="bfloat16 2-D"):
+        Projection(torch.zeros(4, 1, 16, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="fp32|float32"):
+        Projection(torch.zeros(4, 1, 16, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8),
+                   torch.zeros(4, dtype=torch.bfloat16))

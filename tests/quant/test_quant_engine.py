@@ -73,6 +73,20 @@ def test_engine_config_quantization_loads_mxfp4(tiny_untied):
                                                        PROMPTS)
 
 
+def test_engine_config_can_quantize_the_lm_head(tiny_untied):
+    """--quantize-lm-head: the head joins the 8 decoder linears, same tokens as the reference."""
+    engine = LLMEngine.from_config(EngineConfig(model=str(tiny_untied), quantization="mxfp4",
+                                                quantize_lm_head=True, dtype="float32", **ENGINE))
+    assert isinstance(engine.runner.model.lm_head, MXFP4Linear)
+    assert len(quantized_modules(engine.runner.model)) == 9
+    assert greedy(engine, PROMPTS) == reference_tokens(tiny_untied, True, PROMPTS)
+
+
+def test_quantize_lm_head_needs_quantization():
+    with pytest.raises(ValueError, match="needs quantization"):
+        EngineConfig(quantize_lm_head=True)
+
+
 def test_bf16_engine_runs_mxfp4(tiny_untied):
     """bf16 activations take the vdpbf16ps/bf16 paths: same shapes, finite, deterministic."""
     model, _ = load_model(tiny_untied, "bfloat16", quantization="mxfp4")

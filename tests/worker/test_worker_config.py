@@ -34,6 +34,14 @@ def test_flags_reach_engine_config() -> None:
     assert c.role is WorkerRole.MIXED
 
 
+def test_quantization_flags() -> None:
+    e = parse(["--quantization", "mxfp4", "--quantize-lm-head"]).engine
+    assert (e.quantization, e.quantize_lm_head) == ("mxfp4", True)
+    assert not parse(["--quantization", "mxfp4"]).engine.quantize_lm_head
+    with pytest.raises(ValueError, match="needs quantization"):
+        parse(["--quantize-lm-head"])
+
+
 def test_defaults() -> None:
     c = parse([])
     assert c.max_body_size == 4 * 2**20

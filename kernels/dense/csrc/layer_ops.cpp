@@ -3,23 +3,26 @@
 //                  num_heads, num_kv_heads, scale) -> Tensor [T, H D]
 //       RoPE on q and k, K/V written to the paged cache, causal attention over each sequence's
 //       context read straight from its block table (any T: prefill chunks and decode rows).
-//   decoder_layer(h!, kv_layer!, cos_sin, block_tables, context_lens, query_start, ln1, w_qkv,
-//                 b_qkv?, w_o, b_o?, ln2, w_gu, w_down, num_heads, num_kv_heads, eps, scale,
-//                 path) -> ()
-//       One whole pre-norm Llama block on the bf16 residual stream h [T, hidden], in place.
 //   decoder_layers(h!, kv_cache!, cos_sin, block_tables, context_lens, query_start,
-//                  Tensor?[] weights, num_heads, num_kv_heads, eps, scale, path) -> ()
-//       Every layer of kv_cache [L, 2, ...] in one call; weights = 8 per layer (ln1, w_qkv,
-//       b_qkv, w_o, b_o, ln2, w_gu, w_down), so a decode step costs one dispatch.
+//                  Tensor?[] weights, num_heads, num_kv_heads, eps, scale, path, mxfp4_path)
+//       -> ()
+//       Whole pre-norm Llama blocks on the bf16 residual stream h [T, hidden], in place, one per
+//       layer of kv_cache [L, 2, ...], so a decode step costs one dispatch. weights holds
+//       kWeightsPerLayer entries per layer: ln1, ln2, then (weight, scales, bias) for each of
+//       the qkv, o, gate_up and down projections. A projection with scales is MXFP4 (weight =
+//       blocks uint8 [n, k/32, 16], scales uint8 [n, k/32], bias fp32) and runs the MXFP4
+//       library's fused kernel (op pdmesh_mxfp4::linear, code path mxfp4_path); without, it is
+//       dense bf16 [n, k] and runs this library's GEMV (code path `path`).
 //   rms_norm(x, w, eps) -> Tensor;  add_rms_norm(h!, y, w, eps) -> Tensor (h += y, then norm);
 //   silu_mul(gu [T, 2 I]) -> Tensor [T, I];  add_(h!, y) -> ()
-//       The block's elementwise steps alone, for layers whose projections are not dense bf16
-//       (MXFP4): the caller runs the projections between them.
+//       The block's elementwise steps alone, for callers that run the projections themselves
+//       (an MXFP4 prefill, whose projections dequantise for torch's GEMM).
 // Shapes: qkv [T, (H + 2 KVH) D], kv_layer [2, num_blocks, block_size, KVH, D], cos_sin [P, D],
 // block_tables int32 [B, max_blocks], context_lens int32 [B], query_start int32 [B + 1].
 // Every input is validated here (the kernels trust their indices), so a bad table raises.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
@@ -136,11 +139,46 @@ at::Tensor rope_attention(const at::Tensor& qkv, at::Tensor kv, const at::Tensor
   return attention_core(qkv, kv, cos_sin, s, heads, kv_heads, scale);
 }
 
-// x [T, K] @ w.T (+ bias): the GEMV for decode-sized T, torch's bf16 GEMM above it (the same
-// split as kernels/dense/backend.py, so the fused layer matches the unfused one bit for bit).
-at::Tensor project(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
-                   int64_t path) {
-  return x.size(0) <= kGemvMaxRows ? linear(x, w, b, path) : at::linear(x, w, b);
+// One projection's parameters: dense bf16 w [n, k] (scales empty), or MXFP4 with w = blocks
+// uint8 [n, k/32, 16] and scales uint8 [n, k/32]; bias [n] optional (fp32 for MXFP4).
+struct Proj {
+  at::Tensor w;
+  std::optional<at::Tensor> scales, bias;
+
+  int64_t in_features() const { return scales ? w.size(1) * 32 : w.size(1); }
+  int64_t out_features() const { return w.size(0); }
+};
+
+// One layer's parameters (contiguous) and the model's head layout.
+struct Block {
+  at::Tensor ln1, ln2;
+  Proj qkv, o, gate_up, down;
+};
+
+struct Heads {
+  int64_t heads, kv_heads;
+  float eps;
+  double scale;
+  int64_t path;        // dense GEMV code path (ops.cpp linear)
+  int64_t mxfp4_path;  // the MXFP4 library's code path for packed projections
+};
+
+// The MXFP4 library's fused linear, found through the dispatcher: that library is built and
+// loaded on its own (kernels/mxfp4), and is loaded whenever a model holds MXFP4 weights.
+at::Tensor mxfp4_linear(const at::Tensor& x, const Proj& p, int64_t path) {
+  using Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const std::optional<at::Tensor>&, int64_t);
+  static const c10::TypedOperatorHandle<Fn> op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("pdmesh_mxfp4::linear", "").typed<Fn>();
+  return op.call(x, p.w, *p.scales, p.bias, path);
+}
+
+// x [T, K] @ w.T (+ bias). Dense: the GEMV for decode-sized T, torch's bf16 GEMM above it (the
+// same split as kernels/dense/backend.py, so the fused layer matches the unfused one bit for
+// bit). MXFP4: the fused kernel on the packed bytes, as MXFP4Linear runs it for decode rows.
+at::Tensor project(const at::Tensor& x, const Proj& p, const Heads& g) {
+  if (p.scales) return mxfp4_linear(x, p, g.mxfp4_path);
+  return x.size(0) <= kGemvMaxRows ? linear(x, p.w, p.bias, g.path) : at::linear(x, p.w, p.bias);
 }
 
 void rms_norm_rows(const at::Tensor& h, const at::Tensor& w, float eps, at::Tensor& out) {
@@ -158,78 +196,69 @@ void add_rows(at::Tensor& h, const at::Tensor& y) {
 
 at::Tensor silu_mul_op(const at::Tensor& gu);  // below, with the other elementwise ops
 
-// One layer's parameters (bf16, contiguous) and the model's head layout.
-struct Block {
-  at::Tensor ln1, w_qkv;
-  std::optional<at::Tensor> b_qkv;
-  at::Tensor w_o;
-  std::optional<at::Tensor> b_o;
-  at::Tensor ln2, w_gu, w_down;
-};
-
-struct Heads {
-  int64_t heads, kv_heads;
-  float eps;
-  double scale;
-  int64_t path;  // GEMV code path (ops.cpp linear)
-};
-
 // h [T, hidden] <- the whole pre-norm block, in place; s was validated against this cache.
 void run_block(at::Tensor& h, at::Tensor kv, const at::Tensor& cos_sin, const Step& s,
                const Block& w, const Heads& g) {
   check_tensor(w.ln1, "ln1", at::kBFloat16, 1);
   check_tensor(w.ln2, "ln2", at::kBFloat16, 1);
-  const int64_t rows = h.size(0), hidden = h.size(1), inter = w.w_gu.size(0) / 2;
+  const int64_t rows = h.size(0), hidden = h.size(1), inter = w.down.in_features();
   TORCH_CHECK(w.ln1.size(0) == hidden && w.ln2.size(0) == hidden &&
-                  w.w_gu.size(0) == 2 * inter && w.w_down.size(1) == inter &&
-                  w.w_down.size(0) == hidden && w.w_o.size(0) == hidden,
+                  w.qkv.in_features() == hidden && w.o.out_features() == hidden &&
+                  w.gate_up.in_features() == hidden && w.gate_up.out_features() == 2 * inter &&
+                  w.down.out_features() == hidden && w.o.in_features() == g.heads * kv.size(4),
               "dense layer: weight shapes do not match hidden / intermediate sizes");
   at::Tensor xn = at::empty({rows, hidden}, h.options());
   rms_norm_rows(h, w.ln1, g.eps, xn);
-  const at::Tensor qkv = project(xn, w.w_qkv, w.b_qkv, g.path);
+  const at::Tensor qkv = project(xn, w.qkv, g);
   check_geometry(qkv, kv, cos_sin, g.heads, g.kv_heads);
   const at::Tensor attn = attention_core(qkv, kv, cos_sin, s, g.heads, g.kv_heads, g.scale);
-  add_rows(h, project(attn, w.w_o, w.b_o, g.path));
+  add_rows(h, project(attn, w.o, g));
   rms_norm_rows(h, w.ln2, g.eps, xn);
-  const at::Tensor gu = project(xn, w.w_gu, std::nullopt, g.path);
-  add_rows(h, project(silu_mul_op(gu), w.w_down, std::nullopt, g.path));
+  const at::Tensor gu = project(xn, w.gate_up, g);
+  add_rows(h, project(silu_mul_op(gu), w.down, g));
 }
 
-void decoder_layer(at::Tensor h, at::Tensor kv, const at::Tensor& cos_sin,
-                   const at::Tensor& tables, const at::Tensor& ctx, const at::Tensor& qs,
-                   const at::Tensor& ln1, const at::Tensor& w_qkv,
-                   const std::optional<at::Tensor>& b_qkv, const at::Tensor& w_o,
-                   const std::optional<at::Tensor>& b_o, const at::Tensor& ln2,
-                   const at::Tensor& w_gu, const at::Tensor& w_down, int64_t heads,
-                   int64_t kv_heads, double eps, double scale, int64_t path) {
-  check_tensor(h, "h", at::kBFloat16, 2);
-  check_tensor(kv, "kv_layer", at::kBFloat16, 5);
-  const Step s = make_step(tables, ctx, qs, h.size(0), kv, cos_sin.size(0));
-  run_block(h, kv, cos_sin, s, Block{ln1, w_qkv, b_qkv, w_o, b_o, ln2, w_gu, w_down},
-            Heads{heads, kv_heads, static_cast<float>(eps), scale, path});
+constexpr int64_t kWeightsPerLayer = 14;  // ln1, ln2, 4 x (weight, scales, bias)
+
+// Layer i's entries of the flat weights list, in decoder_layers' order.
+Block layer_block(const c10::List<std::optional<at::Tensor>>& weights, int64_t i) {
+  auto opt = [&](int64_t j) -> std::optional<at::Tensor> {
+    return weights.get(kWeightsPerLayer * i + j);
+  };
+  auto need = [&](int64_t j) {
+    const std::optional<at::Tensor> t = opt(j);
+    TORCH_CHECK(t.has_value(), "dense layer: only scales and biases may be None");
+    return *t;
+  };
+  auto proj = [&](int64_t j) {
+    Proj p{need(j), opt(j + 1), opt(j + 2)};
+    if (p.scales) {
+      TORCH_CHECK(p.w.scalar_type() == at::kByte && p.w.dim() == 3,
+                  "dense layer: an MXFP4 projection's weight must be uint8 blocks [n, k/32, 16]");
+    } else {
+      TORCH_CHECK(p.w.scalar_type() == at::kBFloat16 && p.w.dim() == 2,
+                  "dense layer: a dense projection's weight must be bf16 [n, k]");
+    }
+    return p;
+  };
+  return Block{need(0), need(1), proj(2), proj(5), proj(8), proj(11)};
 }
 
-// Every layer of the cache in turn: weights holds 8 entries per layer, in Block's order.
+// Every layer of the cache in turn (see the header comment for the weights layout).
 void decoder_layers(at::Tensor h, at::Tensor kv_cache, const at::Tensor& cos_sin,
                     const at::Tensor& tables, const at::Tensor& ctx, const at::Tensor& qs,
                     const c10::List<std::optional<at::Tensor>>& weights, int64_t heads,
-                    int64_t kv_heads, double eps, double scale, int64_t path) {
+                    int64_t kv_heads, double eps, double scale, int64_t path,
+                    int64_t mxfp4_path) {
   check_tensor(h, "h", at::kBFloat16, 2);
   check_tensor(kv_cache, "kv_cache", at::kBFloat16, 6);
   const int64_t layers = kv_cache.size(0);
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 8 * layers,
-              "dense layer: weights must hold 8 tensors per cache layer");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * layers,
+              "dense layer: weights must hold ", kWeightsPerLayer, " entries per cache layer");
   const Step s = make_step(tables, ctx, qs, h.size(0), kv_cache[0], cos_sin.size(0));
-  const Heads g{heads, kv_heads, static_cast<float>(eps), scale, path};
+  const Heads g{heads, kv_heads, static_cast<float>(eps), scale, path, mxfp4_path};
   for (int64_t i = 0; i < layers; ++i) {
-    auto opt = [&](int64_t j) -> std::optional<at::Tensor> { return weights.get(8 * i + j); };
-    auto need = [&](int64_t j) {
-      const std::optional<at::Tensor> t = opt(j);
-      TORCH_CHECK(t.has_value(), "dense layer: only the two biases may be None");
-      return *t;
-    };
-    run_block(h, kv_cache[i], cos_sin, s,
-              Block{need(0), need(1), opt(2), need(3), opt(4), need(5), need(6), need(7)}, g);
+    run_block(h, kv_cache[i], cos_sin, s, layer_block(weights, i), g);
   }
 }
 
@@ -282,15 +311,9 @@ TORCH_LIBRARY_FRAGMENT(pdmesh_dense, m) {
       "-> Tensor",
       &pdmesh_dense::rope_attention);
   m.def(
-      "decoder_layer(Tensor(a!) h, Tensor(b!) kv_layer, Tensor cos_sin, Tensor block_tables, "
-      "Tensor context_lens, Tensor query_start, Tensor ln1, Tensor w_qkv, Tensor? b_qkv, "
-      "Tensor w_o, Tensor? b_o, Tensor ln2, Tensor w_gu, Tensor w_down, int num_heads, "
-      "int num_kv_heads, float eps, float scale, int path) -> ()",
-      &pdmesh_dense::decoder_layer);
-  m.def(
       "decoder_layers(Tensor(a!) h, Tensor(b!) kv_cache, Tensor cos_sin, Tensor block_tables, "
       "Tensor context_lens, Tensor query_start, Tensor?[] weights, int num_heads, "
-      "int num_kv_heads, float eps, float scale, int path) -> ()",
+      "int num_kv_heads, float eps, float scale, int path, int mxfp4_path) -> ()",
       &pdmesh_dense::decoder_layers);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &pdmesh_dense::rms_norm_op);
   m.def("add_rms_norm(Tensor(a!) h, Tensor y, Tensor w, float eps) -> Tensor",
