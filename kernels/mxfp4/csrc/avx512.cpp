@@ -204,10 +204,11 @@ Avx512Support avx512_support() {
 namespace {
 const KernelTable kAvx512Table = {
     quantize_avx512, dequantize_f32_avx512, dequantize_bf16_avx512, linear_f32_avx512, nullptr,
+    nullptr,
 };
 const KernelTable kAvx512Bf16Table = {
     quantize_avx512, dequantize_f32_avx512, dequantize_bf16_avx512, linear_f32_avx512,
-    linear_bf16_avx512,
+    linear_bf16_avx512, pair_x_bf16_avx512,
 };
 }  // namespace
 

@@ -7,7 +7,12 @@
 // stay in L1 while every row chunk passes over them, and x (<= 32 x k) stays in L2.
 // fp32 x: exact fp32 products, fp32 accumulation (FMA), the same tolerance as an fp32 matmul.
 // bf16 x (avx512_bf16 only): vdpbf16ps on exact bf16 weights, 32 MACs per instruction; like
-// every vdpbf16ps it treats subnormal inputs (|v| < 2^-126) as zero.
+// every vdpbf16ps it treats subnormal inputs (|v| < 2^-126) as zero. Row chunks of 8 decode
+// scaled weights (table x scale, then vpermw) and share them across the rows. Smaller chunks,
+// the single-stream decode case, are bound by that decoding, so they work on two blocks of a
+// column at once with the unscaled table: one vpermw per 32 weights, no table scaling, and the
+// two blocks' scales applied to the fp32 dot products (exact: powers of two), x being in the
+// matching pair layout (kernels.h).
 #include <immintrin.h>
 
 #include "kernels.h"
@@ -139,6 +144,71 @@ void tile_bf16(const LinearArgs& a, int64_t r0, int64_t n, __m512 table) {
   }
 }
 
+// The 16 unscaled E2M1 values as bf16 (exact), twice: vpermw reads 5 index bits.
+struct Bf16Table {
+  alignas(64) uint16_t bits[32];
+};
+constexpr Bf16Table make_bf16_table() {
+  Bf16Table t{};
+  for (uint32_t c = 0; c < 32; ++c) t.bits[c] = static_cast<uint16_t>(e2m1_to_f32_bits(c & 15u) >> 16);
+  return t;
+}
+constexpr Bf16Table kBf16Table = make_bf16_table();
+
+inline __m512 scale_of(uint8_t s) { return _mm512_set1_ps(bits_to_f32(kScaleTable.bits[s])); }
+
+// Pair tiles: blocks j and j + 1 of a column are 32 contiguous bytes. Zero-extended to words,
+// byte i (of either block) indexes the table with its low nibble (element 2i) and, shifted,
+// its high nibble (element 2i + 1): lo holds the even elements of both blocks, hi the odd ones,
+// matching x's pair layout. vdpbf16ps sums adjacent words, so lanes 0..7 of the dot product
+// belong to block j and lanes 8..15 to block j + 1, which the per-lane scale vector reflects.
+template <int R, int C>
+void tile_pair(const LinearArgs& a, int64_t r0, int64_t n, __m512) {
+  const int64_t nb = a.k / kBlock, pairs = x_pairs(a.k);
+  const __m512i table = _mm512_load_si512(kBf16Table.bits);
+  __m512 acc[R][C];
+#pragma GCC unroll 32
+  for (int i = 0; i < R * C; ++i) acc[i / C][i % C] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t j = 2 * p;
+    const bool full = j + 1 < nb;  // else the second block is past k: zero weights, scale 1
+    __m512i lo[C], hi[C];
+    __m512 sv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* bp = a.blocks + ((n + c) * nb + j) * kBlockBytes;
+      const __m256i bytes = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp))
+                                 : _mm256_zextsi128_si256(_mm_loadu_si128(
+                                       reinterpret_cast<const __m128i*>(bp)));
+      const __m512i v = _mm512_cvtepu8_epi16(bytes);
+      lo[c] = _mm512_permutexvar_epi16(v, table);
+      hi[c] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);  // words are < 256
+      const uint8_t* sp = a.scales + (n + c) * nb + j;
+      sv[c] = _mm512_mask_mov_ps(scale_of(sp[0]), 0xFF00, scale_of(full ? sp[1] : uint8_t{127}));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* xr = a.x_pairs + ((r0 + r) * pairs + p) * 2 * kBlock;
+      const __m512bh xl = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xr));
+      const __m512bh xh = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xr + kBlock));
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), reinterpret_cast<__m512bh>(lo[c]), xl);
+        d = _mm512_dpbf16_ps(d, reinterpret_cast<__m512bh>(hi[c]), xh);
+        acc[r][c] = _mm512_fmadd_ps(d, sv[c], acc[r][c]);
+      }
+    }
+  }
+  float sums[R * C];
+  reduce_all<R * C>(&acc[0][0], sums);
+  uint16_t* y = static_cast<uint16_t*>(a.y);
+#pragma GCC unroll 32
+  for (int i = 0; i < R * C; ++i) {
+    const int r = i / C, c = i % C;
+    y[(r0 + r) * a.n + n + c] = f32_to_bf16_rne(sums[i] + (a.bias ? a.bias[n + c] : 0.0f));
+  }
+}
+
 using TileFn = void (*)(const LinearArgs&, int64_t, int64_t, __m512);
 
 // Tiles for one row-chunk height: C columns at a time, then single columns for the tail.
@@ -179,10 +249,10 @@ constexpr RowKernel kF32Kernels[kRowKernels] = {
 
 constexpr RowKernel kBf16Kernels[kRowKernels] = {
     {8, 3, tile_bf16<8, 3>, tile_bf16<8, 1>},
-    {4, 4, tile_bf16<4, 4>, tile_bf16<4, 1>},
-    {3, 4, tile_bf16<3, 4>, tile_bf16<3, 1>},
-    {2, 4, tile_bf16<2, 4>, tile_bf16<2, 1>},
-    {1, 4, tile_bf16<1, 4>, tile_bf16<1, 1>},
+    {4, 3, tile_pair<4, 3>, tile_pair<4, 1>},
+    {3, 4, tile_pair<3, 4>, tile_pair<3, 1>},
+    {2, 4, tile_pair<2, 4>, tile_pair<2, 1>},
+    {1, 4, tile_pair<1, 4>, tile_pair<1, 1>},
 };
 
 }  // namespace
@@ -193,6 +263,26 @@ void linear_f32_avx512(const LinearArgs& a, int64_t n0, int64_t n1) {
 
 void linear_bf16_avx512(const LinearArgs& a, int64_t n0, int64_t n1) {
   run_tiles(a, n0, n1, kBf16Kernels);
+}
+
+void pair_x_bf16_avx512(const uint16_t* x, int64_t m, int64_t k, uint16_t* out) {
+  const int64_t nb = k / kBlock, pairs = x_pairs(k);
+  alignas(64) uint16_t even[32], odd[32];
+  for (int i = 0; i < 32; ++i) {
+    even[i] = static_cast<uint16_t>(2 * i);  // words 0..31 of a, then 32..63 of b
+    odd[i] = static_cast<uint16_t>(2 * i + 1);
+  }
+  const __m512i ie = _mm512_load_si512(even), io = _mm512_load_si512(odd);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint16_t* src = x + r * k + 2 * p * kBlock;
+      const __m512i a = _mm512_loadu_si512(src);
+      const __m512i b = 2 * p + 1 < nb ? _mm512_loadu_si512(src + kBlock) : _mm512_setzero_si512();
+      uint16_t* dst = out + (r * pairs + p) * 2 * kBlock;
+      _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, ie, b));
+      _mm512_storeu_si512(dst + kBlock, _mm512_permutex2var_epi16(a, io, b));
+    }
+  }
 }
 
 }  // namespace pdmesh_mxfp4

@@ -27,7 +27,7 @@ constexpr uint32_t kMantBit = 0x00400000u;   // E2M1 mantissa bit, placed at fp3
 // the exponent (E2M1 bias 1 -> fp32 bias 127). Two traps: code 0 must stay +0.0 (hence the
 // non-zero mask on the add), and the subnormal code 1 (0.5) would come out as 0.75, so its
 // mantissa bit is taken back out.
-static inline uint32_t e2m1_to_f32_bits(uint32_t code) {
+static constexpr inline uint32_t e2m1_to_f32_bits(uint32_t code) {
   const uint32_t mag = code & 7u;
   const uint32_t nonzero = 0u - static_cast<uint32_t>(mag != 0);  // all ones unless +-0
   uint32_t bits = ((mag << 22) + kHalfBits) & nonzero;
@@ -76,12 +76,18 @@ static inline uint16_t f32_to_bf16_rne(float f) {
 struct LinearArgs {
   const float* x;         // [m, k] fp32, each 32-block reordered as 16 even then 16 odd elements
   const uint16_t* x_bf16; // [m, k] bf16 in natural order (only for linear_bf16)
+  const uint16_t* x_pairs;  // [m, pairs(k) * 64] bf16 in pair layout (linear_bf16; see below)
   const uint8_t* blocks;  // [n, k/32, 16]
   const uint8_t* scales;  // [n, k/32]
   const float* bias;      // [n] or nullptr
   void* y;                // [m, n] fp32 (linear_f32) or bf16 (linear_bf16)
   int64_t m, k, n;
 };
+
+// The pair layout of bf16 x for linear_bf16: per row, for each pair of 32-blocks (j, j+1), the
+// 16 even elements of block j then the 16 even elements of block j+1 (32 values), then their
+// odd elements likewise. With odd k/32 the last pair's second block is zeros.
+static inline int64_t x_pairs(int64_t k) { return (k / kBlock + 1) / 2; }
 
 // One code path. Ranges are in blocks (quantize, dequantize) or output columns (linear).
 struct KernelTable {
@@ -93,6 +99,8 @@ struct KernelTable {
                           uint16_t* out, bool stream);
   void (*linear_f32)(const LinearArgs& a, int64_t n0, int64_t n1);
   void (*linear_bf16)(const LinearArgs& a, int64_t n0, int64_t n1);  // nullptr: unsupported
+  // x [m, k] bf16 -> out [m, x_pairs(k) * 64] in pair layout; set iff linear_bf16 is.
+  void (*pair_x_bf16)(const uint16_t* x, int64_t m, int64_t k, uint16_t* out);
 };
 
 const KernelTable& scalar_table();
@@ -109,6 +117,7 @@ const KernelTable* avx512_table();
 // Fused kernels of avx512_linear.cpp; call only through avx512_table().
 void linear_f32_avx512(const LinearArgs& a, int64_t n0, int64_t n1);
 void linear_bf16_avx512(const LinearArgs& a, int64_t n0, int64_t n1);
+void pair_x_bf16_avx512(const uint16_t* x, int64_t m, int64_t k, uint16_t* out);
 #endif
 
 }  // namespace pdmesh_mxfp4

@@ -173,12 +173,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tenso
   check_linear(x, blocks, scales, bias);
   const KernelTable& t = table_for(path);
   const bool bf16_kernel = x.scalar_type() == at::kBFloat16 && t.linear_bf16 != nullptr;
-  const at::Tensor xr = bf16_kernel ? x : reorder_x(x);
   const int64_t m = x.size(0), n = blocks.size(0);
-  at::Tensor y = at::empty({m, n}, x.options().dtype(bf16_kernel ? at::kBFloat16 : at::kFloat));
+  at::Tensor xr;  // fp32 kernel: x reordered to fp32; bf16 kernel: x in pair layout
   LinearArgs args{};
-  args.x = bf16_kernel ? nullptr : xr.data_ptr<float>();
-  args.x_bf16 = bf16_kernel ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
+  if (bf16_kernel) {
+    const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    xr = at::empty({m, x_pairs(x.size(1)) * 2 * kBlock}, x.options());
+    t.pair_x_bf16(xb, m, x.size(1), reinterpret_cast<uint16_t*>(xr.data_ptr<at::BFloat16>()));
+    args.x_bf16 = xb;
+    args.x_pairs = reinterpret_cast<const uint16_t*>(xr.data_ptr<at::BFloat16>());
+  } else {
+    xr = reorder_x(x);
+    args.x = xr.data_ptr<float>();
+  }
+  at::Tensor y = at::empty({m, n}, x.options().dtype(bf16_kernel ? at::kBFloat16 : at::kFloat));
   args.blocks = blocks.data_ptr<uint8_t>();
   args.scales = scales.data_ptr<uint8_t>();
   args.bias = bias ? bias->data_ptr<float>() : nullptr;

@@ -129,6 +129,7 @@ void linear_f32_scalar(const LinearArgs& a, int64_t n0, int64_t n1) {
 
 const KernelTable kScalarTable = {
     quantize_scalar, dequantize_f32_scalar, dequantize_bf16_scalar, linear_f32_scalar, nullptr,
+    nullptr,
 };
 
 }  // namespace
