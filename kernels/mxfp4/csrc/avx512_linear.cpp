@@ -155,13 +155,15 @@ constexpr Bf16Table make_bf16_table() {
 }
 constexpr Bf16Table kBf16Table = make_bf16_table();
 
-inline __m512 scale_of(uint8_t s) { return _mm512_set1_ps(bits_to_f32(kScaleTable.bits[s])); }
+inline const float* scale_ptr(uint8_t s) {
+  return reinterpret_cast<const float*>(&kScaleTable.bits[s]);
+}
 
 // Pair tiles: blocks j and j + 1 of a column are 32 contiguous bytes. Zero-extended to words,
 // byte i (of either block) indexes the table with its low nibble (element 2i) and, shifted,
 // its high nibble (element 2i + 1): lo holds the even elements of both blocks, hi the odd ones,
 // matching x's pair layout. vdpbf16ps sums adjacent words, so lanes 0..7 of the dot product
-// belong to block j and lanes 8..15 to block j + 1, which the per-lane scale vector reflects.
+// belong to block j and lanes 8..15 to block j + 1, each half scaled by its own block's scale.
 template <int R, int C>
 void tile_pair(const LinearArgs& a, int64_t r0, int64_t n, __m512) {
   const int64_t nb = a.k / kBlock, pairs = x_pairs(a.k);
@@ -173,7 +175,8 @@ void tile_pair(const LinearArgs& a, int64_t r0, int64_t n, __m512) {
     const int64_t j = 2 * p;
     const bool full = j + 1 < nb;  // else the second block is past k: zero weights, scale 1
     __m512i lo[C], hi[C];
-    __m512 sv[C];
+    const float* s0[C];  // fp32 scales of blocks j and j + 1 (entries of kScaleTable)
+    const float* s1[C];
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
       const uint8_t* bp = a.blocks + ((n + c) * nb + j) * kBlockBytes;
@@ -184,7 +187,8 @@ void tile_pair(const LinearArgs& a, int64_t r0, int64_t n, __m512) {
       lo[c] = _mm512_permutexvar_epi16(v, table);
       hi[c] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);  // words are < 256
       const uint8_t* sp = a.scales + (n + c) * nb + j;
-      sv[c] = _mm512_mask_mov_ps(scale_of(sp[0]), 0xFF00, scale_of(full ? sp[1] : uint8_t{127}));
+      s0[c] = scale_ptr(sp[0]);
+      s1[c] = scale_ptr(full ? sp[1] : uint8_t{127});  // 127: 1.0 for the zero half
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -195,7 +199,10 @@ void tile_pair(const LinearArgs& a, int64_t r0, int64_t n, __m512) {
       for (int c = 0; c < C; ++c) {
         __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), reinterpret_cast<__m512bh>(lo[c]), xl);
         d = _mm512_dpbf16_ps(d, reinterpret_cast<__m512bh>(hi[c]), xh);
-        acc[r][c] = _mm512_fmadd_ps(d, sv[c], acc[r][c]);
+        // Two masked FMAs with broadcast memory operands: lanes 0..7 scaled by block j's
+        // scale, 8..15 by block j + 1's (cheaper than building a blended scale vector).
+        acc[r][c] = _mm512_mask3_fmadd_ps(d, _mm512_set1_ps(*s0[c]), acc[r][c], 0x00FF);
+        acc[r][c] = _mm512_mask3_fmadd_ps(d, _mm512_set1_ps(*s1[c]), acc[r][c], 0xFF00);
       }
     }
   }
