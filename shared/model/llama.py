@@ -291,10 +291,12 @@ class LlamaForCausalLM(nn.Module):
             h = h.clone(memory_format=torch.contiguous_format)
         if self._fused_stack is not None and fuses(self._stack_packed, h.shape[0]):
             native.decoder_layers(h, kv_cache, cos_sin, tables, self._fused_stack, self.geometry)
-            return self.norm(h) if self.norm is not None else h
-        for i, layer in enumerate(self.layers):
-            h = layer.forward_native(h, cos_sin, kv_cache[i], tables, native, self.geometry)
-        return self.norm(h) if self.norm is not None else h
+        else:
+            for i, layer in enumerate(self.layers):
+                h = layer.forward_native(h, cos_sin, kv_cache[i], tables, native, self.geometry)
+        if self.norm is None:
+            return h
+        return native.rms_norm(h, self.norm.weight, self.geometry.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (last stage only)."""
