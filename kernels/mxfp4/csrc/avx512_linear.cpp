@@ -103,6 +103,20 @@ void tile_f32(const LinearArgs& a, int64_t r0, int64_t n, __m512 table) {
   }
 }
 
+// y[r0 .. r0+R, n .. n+C] = bf16(sum of each accumulator (+ bias)).
+template <int R, int C>
+inline void store_bf16_tile(const LinearArgs& a, int64_t r0, int64_t n,
+                            const __m512 (&acc)[R][C]) {
+  float sums[R * C];
+  reduce_all<R * C>(&acc[0][0], sums);
+  uint16_t* y = static_cast<uint16_t*>(a.y);
+#pragma GCC unroll 32
+  for (int i = 0; i < R * C; ++i) {
+    const int r = i / C, c = i % C;
+    y[(r0 + r) * a.n + n + c] = f32_to_bf16_rne(sums[i] + (a.bias ? a.bias[n + c] : 0.0f));
+  }
+}
+
 // 32 bf16 copies of the scaled table (vpermw reads 5 index bits; entries 16..31 repeat 0..15).
 inline __m512i scaled_table_bf16(__m512 table, uint32_t s) {
   const __m512 t = _mm512_mul_ps(table, scale_ps(s));
@@ -134,14 +148,7 @@ void tile_bf16(const LinearArgs& a, int64_t r0, int64_t n, __m512 table) {
       }
     }
   }
-  float sums[R * C];
-  reduce_all<R * C>(&acc[0][0], sums);
-  uint16_t* y = static_cast<uint16_t*>(a.y);
-#pragma GCC unroll 32
-  for (int i = 0; i < R * C; ++i) {
-    const int r = i / C, c = i % C;
-    y[(r0 + r) * a.n + n + c] = f32_to_bf16_rne(sums[i] + (a.bias ? a.bias[n + c] : 0.0f));
-  }
+  store_bf16_tile<R, C>(a, r0, n, acc);
 }
 
 // The 16 unscaled E2M1 values as bf16 (exact), twice: vpermw reads 5 index bits.
@@ -206,14 +213,7 @@ void tile_pair(const LinearArgs& a, int64_t r0, int64_t n, __m512) {
       }
     }
   }
-  float sums[R * C];
-  reduce_all<R * C>(&acc[0][0], sums);
-  uint16_t* y = static_cast<uint16_t*>(a.y);
-#pragma GCC unroll 32
-  for (int i = 0; i < R * C; ++i) {
-    const int r = i / C, c = i % C;
-    y[(r0 + r) * a.n + n + c] = f32_to_bf16_rne(sums[i] + (a.bias ? a.bias[n + c] : 0.0f));
-  }
+  store_bf16_tile<R, C>(a, r0, n, acc);
 }
 
 using TileFn = void (*)(const LinearArgs&, int64_t, int64_t, __m512);
