@@ -178,9 +178,19 @@ void tile_pair(const LinearArgs& a, int64_t r0, int64_t n, __m512) {
   __m512 acc[R][C];
 #pragma GCC unroll 32
   for (int i = 0; i < R * C; ++i) acc[i / C][i % C] = _mm512_setzero_ps();
+  // The next tile's C rows of blocks are contiguous (C * nb * 16 bytes): each pair step
+  // prefetches C * 32 of them, so they arrive from DRAM while this tile computes (short rows in
+  // several streams are what the hardware prefetcher handles worst). Prefetching past the end
+  // of the tensor is harmless.
+  const char* next = reinterpret_cast<const char*>(a.blocks + (n + C) * nb * kBlockBytes);
+  _mm_prefetch(reinterpret_cast<const char*>(a.scales + (n + C) * nb), _MM_HINT_T0);
   for (int64_t p = 0; p < pairs; ++p) {
     const int64_t j = 2 * p;
     const bool full = j + 1 < nb;  // else the second block is past k: zero weights, scale 1
+#pragma GCC unroll 4
+    for (int64_t off = 0; off < C * 2 * kBlockBytes; off += 64) {
+      _mm_prefetch(next + p * C * 2 * kBlockBytes + off, _MM_HINT_T0);
+    }
     __m512i lo[C], hi[C];
     const float* s0[C];  // fp32 scales of blocks j and j + 1 (entries of kScaleTable)
     const float* s1[C];
