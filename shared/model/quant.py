@@ -34,9 +34,9 @@ PACKED_SUFFIXES = ("weight_blocks", "weight_scales")
 # Off by default (`--quantize-lm-head` turns it on), from benchmarks/perplexity.py on
 # SmolLM2-135M (521 tokens, bf16): dense 26.9, MXFP4 decoder 43.9 (+64%), MXFP4 decoder + head
 # 59.5 (+122%). The head is 21% of the weights and half the bytes a decode step reads with the
-# head dense; quantising it gives ~+30% single-stream decode tok/s (benchmarks/llamacpp_decode.py,
-# 2026-12-03: 127 vs 98 tok/s), but the quality cost is not a default (llama.cpp's Q4_1 file
-# keeps this head at Q8_0).
+# head dense; quantising it gives +26-49% single-stream decode tok/s (benchmarks/llamacpp_decode.py,
+# 2026-12-03: 163 vs 130 and 186 vs 125 tok/s), but the quality cost is not a default
+# (llama.cpp's Q4_1 file keeps this head at Q8_0).
 DEFAULT_QUANTIZE_LM_HEAD = False
 # Largest dequantised weight (bytes) kept in the shared prefill scratch; bigger weights (a
 # 49152-row LM head) run the fused kernel over 32-row slices instead of being dequantised.
