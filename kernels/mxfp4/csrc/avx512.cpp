@@ -14,7 +14,6 @@ namespace {
 
 inline __m512i set1(uint32_t v) { return _mm512_set1_epi32(static_cast<int>(v)); }
 
-inline __m512i set1_16(uint32_t v) { return _mm512_set1_epi16(static_cast<short>(v)); }
 
 inline __m512 scale_ps(uint32_t s) {
   return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(kScaleTable.bits[s])));
@@ -82,36 +81,19 @@ inline __m512i block_codes(const uint8_t* src) {
 }
 
 // 32 codes -> bf16 patterns of code * 2^(s-127), valid for kMinFastScale <= s <= kMaxFastScale
-// (no result overflows or is subnormal). The fp32 bits of a non-zero code are
-// (mag << 22) + ((s - 1) << 23): the block scale folds into the exponent bias, and the masked
-// (zeroing) add of that bias leaves the +-0 codes at zero in two instructions (test + maskz_add)
-// where a select-based version needs four. The subnormal code 1 (0.5) would come out as 0.75,
-// so its mantissa bit is taken back out. All shifted down by 16 for the high halves.
+// (no result overflows or is subnormal). The 16 unscaled values (kBf16Table, built by the bit
+// converter e2m1_to_f32_bits) get the block scale folded into their exponent field by one
+// masked add of (s - 127) << 7: the mask is the 14 non-zero codes, so +0 and -0 stay exactly
+// +0 and -0 (the zero trap), and no code can carry into the sign. vpermw then looks the block's
+// 32 codes up: three instructions per block where the per-lane conversion took nine.
 constexpr uint32_t kMinFastScale = 2;    // 0.5 * 2^(2-127) = 2^-126, the smallest fp32 normal
 constexpr uint32_t kMaxFastScale = 252;  // 6 * 2^(252-127) < 2^128; s = 253 overflows
-
-// (s - 1) << 7 for every scale byte: the exponent bias, one broadcast load per block.
-struct BiasTable {
-  uint16_t bias[256];
-};
-constexpr BiasTable make_bias_table() {
-  BiasTable t{};
-  for (uint32_t s = 1; s < 256; ++s) t.bias[s] = static_cast<uint16_t>((s - 1) << 7);
-  return t;
-}
-constexpr BiasTable kBiasTable = make_bias_table();
-
+constexpr __mmask32 kNonzeroCodes = 0xFEFEFEFEu;  // table word w holds code w & 15: +-0 at 0, 8
 inline __m512i e2m1_to_bf16(__m512i code, uint32_t s) {
-  const __m512i mag = _mm512_and_si512(_mm512_slli_epi16(code, 6), set1_16(7u << 6));
-  const __mmask32 nonzero = _mm512_test_epi16_mask(mag, mag);
-  const __m512i bias = _mm512_set1_epi16(static_cast<short>(kBiasTable.bias[s]));
-  __m512i bits = _mm512_maskz_add_epi16(nonzero, mag, bias);
-  const __mmask32 subnormal = _mm512_cmpeq_epi16_mask(mag, set1_16(kMantBit >> 16));
-  bits = _mm512_mask_sub_epi16(bits, subnormal, bits, set1_16(kMantBit >> 16));
-  // bits | (code << 12 & sign bit): ternary-logic truth table A | (B & C) = 0xF8.
-  return _mm512_ternarylogic_epi32(bits, _mm512_slli_epi16(code, 12), set1_16(0x8000), 0xF8);
+  const __m512i table = _mm512_load_si512(kBf16Table.bits);
+  const __m512i bias = _mm512_set1_epi16(static_cast<short>((static_cast<int>(s) - 127) * 128));
+  return _mm512_permutexvar_epi16(code, _mm512_mask_add_epi16(table, kNonzeroCodes, table, bias));
 }
-
 // High halves (32 words) -> fp32 words: elements 0..15 (lo) and 16..31 (hi), low halves zero.
 inline void widen(__m512i halves, __m512i* lo, __m512i* hi) {
   const __m512i lo_idx = _mm512_set_epi16(47, 0, 46, 0, 45, 0, 44, 0, 43, 0, 42, 0, 41, 0, 40, 0,

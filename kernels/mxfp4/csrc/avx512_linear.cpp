@@ -151,16 +151,6 @@ void tile_bf16(const LinearArgs& a, int64_t r0, int64_t n, __m512 table) {
   store_bf16_tile<R, C>(a, r0, n, acc);
 }
 
-// The 16 unscaled E2M1 values as bf16 (exact), twice: vpermw reads 5 index bits.
-struct Bf16Table {
-  alignas(64) uint16_t bits[32];
-};
-constexpr Bf16Table make_bf16_table() {
-  Bf16Table t{};
-  for (uint32_t c = 0; c < 32; ++c) t.bits[c] = static_cast<uint16_t>(e2m1_to_f32_bits(c & 15u) >> 16);
-  return t;
-}
-constexpr Bf16Table kBf16Table = make_bf16_table();
 
 inline const float* scale_ptr(uint8_t s) {
   return reinterpret_cast<const float*>(&kScaleTable.bits[s]);

@@ -52,6 +52,19 @@ static constexpr ScaleTable make_scale_table() {
 }
 static constexpr ScaleTable kScaleTable = make_scale_table();
 
+// The 16 unscaled E2M1 values as bf16 bit patterns (exact: at most 2 significant bits), in code
+// order and repeated once: vpermw reads 5 index bits, so a code with junk in bit 4 still finds
+// its value. Built by the bit-manipulation converter above.
+struct Bf16Table {
+  alignas(64) uint16_t bits[32];
+};
+static constexpr Bf16Table make_bf16_table() {
+  Bf16Table t{};
+  for (uint32_t c = 0; c < 32; ++c) t.bits[c] = static_cast<uint16_t>(e2m1_to_f32_bits(c & 15u) >> 16);
+  return t;
+}
+static constexpr Bf16Table kBf16Table = make_bf16_table();
+
 static inline float bits_to_f32(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
