@@ -195,7 +195,7 @@ def test_fused_mxfp4_block_equals_the_native_ops(native: NativeDecoder, arch: st
     assert torch.equal(_run(model, STEPS), stacked)
 
 
-def test_fused_layer_rejects_a_mislabelled_projection(native: NativeDecoder) -> None:
+def test_fused_layer_rejects_a_mislabelled_projection() -> None:
     """A packed weight must come with scales, and a dense one must be bf16 2-D."""
     with pytest.raises(ValueError, match="uint8 3-D"):
         Projection(torch.zeros(4, 1, 16, dtype=torch.bfloat16), torch.zeros(4, 1,

@@ -14,7 +14,6 @@ namespace {
 
 inline __m512i set1(uint32_t v) { return _mm512_set1_epi32(static_cast<int>(v)); }
 
-
 inline __m512 scale_ps(uint32_t s) {
   return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(kScaleTable.bits[s])));
 }
@@ -94,6 +93,7 @@ inline __m512i e2m1_to_bf16(__m512i code, uint32_t s) {
   const __m512i bias = _mm512_set1_epi16(static_cast<short>((static_cast<int>(s) - 127) * 128));
   return _mm512_permutexvar_epi16(code, _mm512_mask_add_epi16(table, kNonzeroCodes, table, bias));
 }
+
 // High halves (32 words) -> fp32 words: elements 0..15 (lo) and 16..31 (hi), low halves zero.
 inline void widen(__m512i halves, __m512i* lo, __m512i* hi) {
   const __m512i lo_idx = _mm512_set_epi16(47, 0, 46, 0, 45, 0, 44, 0, 43, 0, 42, 0, 41, 0, 40, 0,

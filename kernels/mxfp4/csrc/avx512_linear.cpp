@@ -66,6 +66,24 @@ inline const __m128i* block_bytes(const LinearArgs& a, int64_t n, int64_t j) {
   return reinterpret_cast<const __m128i*>(a.blocks + (n * (a.k / kBlock) + j) * kBlockBytes);
 }
 
+// y[r0 .. r0+R, n .. n+C] = the sum of each accumulator (+ bias), as fp32 or (kBf16) bf16.
+template <bool kBf16, int R, int C>
+inline void store_tile(const LinearArgs& a, int64_t r0, int64_t n, const __m512 (&acc)[R][C]) {
+  float sums[R * C];
+  reduce_all<R * C>(&acc[0][0], sums);
+#pragma GCC unroll 32
+  for (int i = 0; i < R * C; ++i) {
+    const int r = i / C, c = i % C;
+    const float v = sums[i] + (a.bias ? a.bias[n + c] : 0.0f);
+    const int64_t at = (r0 + r) * a.n + n + c;
+    if constexpr (kBf16) {
+      static_cast<uint16_t*>(a.y)[at] = f32_to_bf16_rne(v);
+    } else {
+      static_cast<float*>(a.y)[at] = v;
+    }
+  }
+}
+
 template <int R, int C>
 void tile_f32(const LinearArgs& a, int64_t r0, int64_t n, __m512 table) {
   const int64_t nb = a.k / kBlock;
@@ -93,28 +111,7 @@ void tile_f32(const LinearArgs& a, int64_t r0, int64_t n, __m512 table) {
       }
     }
   }
-  float sums[R * C];
-  reduce_all<R * C>(&acc[0][0], sums);
-  float* y = static_cast<float*>(a.y);
-#pragma GCC unroll 32
-  for (int i = 0; i < R * C; ++i) {
-    const int r = i / C, c = i % C;
-    y[(r0 + r) * a.n + n + c] = sums[i] + (a.bias ? a.bias[n + c] : 0.0f);
-  }
-}
-
-// y[r0 .. r0+R, n .. n+C] = bf16(sum of each accumulator (+ bias)).
-template <int R, int C>
-inline void store_bf16_tile(const LinearArgs& a, int64_t r0, int64_t n,
-                            const __m512 (&acc)[R][C]) {
-  float sums[R * C];
-  reduce_all<R * C>(&acc[0][0], sums);
-  uint16_t* y = static_cast<uint16_t*>(a.y);
-#pragma GCC unroll 32
-  for (int i = 0; i < R * C; ++i) {
-    const int r = i / C, c = i % C;
-    y[(r0 + r) * a.n + n + c] = f32_to_bf16_rne(sums[i] + (a.bias ? a.bias[n + c] : 0.0f));
-  }
+  store_tile<false, R, C>(a, r0, n, acc);
 }
 
 // 32 bf16 copies of the scaled table (vpermw reads 5 index bits; entries 16..31 repeat 0..15).
@@ -148,9 +145,8 @@ void tile_bf16(const LinearArgs& a, int64_t r0, int64_t n, __m512 table) {
       }
     }
   }
-  store_bf16_tile<R, C>(a, r0, n, acc);
+  store_tile<true, R, C>(a, r0, n, acc);
 }
-
 
 inline const float* scale_ptr(uint8_t s) {
   return reinterpret_cast<const float*>(&kScaleTable.bits[s]);
@@ -213,7 +209,7 @@ void tile_pair(const LinearArgs& a, int64_t r0, int64_t n, __m512) {
       }
     }
   }
-  store_bf16_tile<R, C>(a, r0, n, acc);
+  store_tile<true, R, C>(a, r0, n, acc);
 }
 
 using TileFn = void (*)(const LinearArgs&, int64_t, int64_t, __m512);
