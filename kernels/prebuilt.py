@@ -1,4 +1,4 @@
-"""Prebuilt native kernels: a directory of compiled libraries and the manifest that vouches for them.
+"""Prebuilt native kernels: a directory of compiled libraries and the manifest vouching for them.
 
 `pdmesh kernels build --out DIR` compiles every library (kernels.dense, kernels.mxfp4) ahead of
 time and writes them here; a runtime with no compiler (the Docker image's runtime stage) loads

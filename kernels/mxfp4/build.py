@@ -187,8 +187,9 @@ def _build(config: BuildConfig) -> BuildResult:
     got = prebuilt.attempt(config.prebuilt_dir, config.namespace, source_digest(config))
     if got.path is None:
         return replace(_jit_build(config), prebuilt_refused=got.refused)
-    return BuildResult(config, BuildState.READY, library=Library(config.namespace, got.path, got.features),
-                       seconds=got.seconds, prebuilt=True)
+    library = Library(config.namespace, got.path, got.features)
+    return BuildResult(config, BuildState.READY, library=library, seconds=got.seconds,
+                       prebuilt=True)
 
 
 def _jit_build(config: BuildConfig) -> BuildResult:
