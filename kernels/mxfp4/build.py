@@ -5,6 +5,11 @@ torch and Python versions under BuildConfig.build_root, and reloaded from there 
 (ninja only recompiles what changed). Its ops register under torch.ops.<namespace>; no pybind.
 A failed build (no compiler, no ninja, a compile error) is recorded, not raised: callers fall back
 to the plain-torch reference and a RuntimeWarning says why.
+
+With BuildConfig.prebuilt_dir set (PDMESH_KERNELS_DIR), a library built ahead of time by
+`pdmesh kernels build` is loaded from there instead, with no compiler or ninja needed; one that
+does not match this process or the installed sources is refused with a warning and the JIT
+build runs as usual (kernels/prebuilt.py).
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from kernels import prebuilt
 
 CSRC = Path(__file__).parent / "csrc"
 
@@ -50,25 +57,31 @@ class BuildState(StrEnum):
 
 @dataclass(frozen=True)
 class BuildConfig:
-    """Where and what to build. build_root holds one directory per torch/Python version."""
+    """Where and what to build. build_root holds one directory per torch/Python version;
+    prebuilt_dir, when set, is a `pdmesh kernels build` output tried before building."""
 
     build_root: Path
     variant: Variant = Variant.FULL
     verbose: bool = False
+    prebuilt_dir: Path | None = None
 
     @classmethod
     def from_env(cls) -> BuildConfig:
         """TORCH_EXTENSIONS_DIR if set, else <PDMESH_CACHE or ~/.cache/pdmesh>/torch_extensions;
-        the full variant on x86-64, the scalar-only one elsewhere (no <immintrin.h> there).
+        the full variant on x86-64, the scalar-only one elsewhere (no <immintrin.h> there);
+        prebuilt libraries from PDMESH_KERNELS_DIR when it is set.
 
         The only place the kernels read the environment; engines pass their own config instead.
         """
         variant = Variant.FULL if platform.machine().lower() in _X86_64 else Variant.SCALAR_ONLY
+        kernels_dir = os.environ.get("PDMESH_KERNELS_DIR")
+        prebuilt_dir = Path(kernels_dir) if kernels_dir else None
         torch_dir = os.environ.get("TORCH_EXTENSIONS_DIR")
         if torch_dir:
-            return cls(build_root=Path(torch_dir), variant=variant)
+            return cls(build_root=Path(torch_dir), variant=variant, prebuilt_dir=prebuilt_dir)
         cache = os.environ.get("PDMESH_CACHE") or Path.home() / ".cache" / "pdmesh"
-        return cls(build_root=Path(cache) / "torch_extensions", variant=variant)
+        return cls(build_root=Path(cache) / "torch_extensions", variant=variant,
+                   prebuilt_dir=prebuilt_dir)
 
     @property
     def namespace(self) -> str:
@@ -118,6 +131,8 @@ class BuildResult:
     seconds: float = 0.0  # wall time of the load (compile included when it compiled)
     compiled: bool = False  # the .so was (re)built by this load
     error: str | None = None
+    prebuilt: bool = False  # loaded from config.prebuilt_dir
+    prebuilt_refused: str | None = None  # why config.prebuilt_dir's library was not used
 
 
 _results: dict[Variant, BuildResult] = {}
@@ -160,7 +175,24 @@ def _missing_tool() -> str | None:
     return None
 
 
+def source_digest(config: BuildConfig) -> str:
+    """What a prebuilt library of config.variant must have been built from (kernels/prebuilt.py)."""
+    return prebuilt.source_digest(CSRC, Path(__file__), str(config.variant))
+
+
 def _build(config: BuildConfig) -> BuildResult:
+    """The prebuilt library when config names one that fits, else the JIT build."""
+    if config.prebuilt_dir is None:
+        return _jit_build(config)
+    got = prebuilt.attempt(config.prebuilt_dir, config.namespace, source_digest(config))
+    if got.path is None:
+        return replace(_jit_build(config), prebuilt_refused=got.refused)
+    library = Library(config.namespace, got.path, got.features)
+    return BuildResult(config, BuildState.READY, library=library, seconds=got.seconds,
+                       prebuilt=True)
+
+
+def _jit_build(config: BuildConfig) -> BuildResult:
     from torch.utils import cpp_extension
 
     start = time.perf_counter()

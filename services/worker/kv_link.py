@@ -51,10 +51,10 @@ class KVLink:
         kv_cache = await engine.call_in_engine(lambda e: e.runner.kv_cache)
         store = EngineBlockStore(engine, kv_cache)
         # The served name (what clients and routers call the model) identifies it: paths to
-        # the same weights differ between hosts, the fingerprint catches different weights.
+        # the same weights differ between hosts, the fingerprint catches different weights
+        # and the transforms what this worker does to them (quantisation).
         spec = ModelKVSpec.from_model(config.served_model_name, engine.fingerprint,
-                                      config.engine.dtype, config.engine.resolved_kv_dtype,
-                                      engine.model_config)
+                                      config.engine, engine.model_config)
         service = KVTransferService(kv_config, spec, store, registry)
         runner = await start_server(kv_config, service)
         node = service.identity.node

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type
 
 import msgpack
 
-KV_PROTOCOL_VERSION = 2
+KV_PROTOCOL_VERSION = 3
 # Changelog of KV_PROTOCOL_VERSION (bump on any wire or semantic change; it is a compat factor):
 #   1  first version: envelope (hash, version, factors, message); messages {"t","b"}; frames
 #      u32 + header + raw little-endian payload; KV chunks are boxes of the block-major view
@@ -33,6 +33,10 @@ KV_PROTOCOL_VERSION = 2
 #      Also (same version, unreleased): push writes stream while the prefill still computes,
 #      and a push stream may write a block again (after a preemption on the prefill); the
 #      decode keeps the digest of the latest full write of each block.
+#   3  the compat factors gained `weight_transforms` (shared/protocol/compat.py
+#      WeightTransforms: the quantisation of the decoder and of the LM head), so a quantised
+#      and a dense worker of one checkpoint get different hashes. A version-2 peer hashes
+#      without it and is refused on the hash, naming the new factor and the version.
 
 MAX_CHUNK_BYTES = 4 * 1024 * 1024  # largest raw payload in one frame or push write
 MAX_HEADER_BYTES = 1024 * 1024

@@ -1,9 +1,14 @@
 """The KV compatibility hash: which workers may exchange KV blocks at all.
 
 `compat_hash` is SHA-256 over the sorted-key msgpack encoding of `CompatFactors`: protocol
-version, model id and weights fingerprint, dtype and KV dtype, layers, KV heads, head dim, the
-RoPE configuration, the KV layout and the transfer mode. Block size, KV capacity and pipeline
-size are deliberately left out; they are negotiated after the hash matches.
+version, model id and weights fingerprint, the run-time weight transforms (quantisation...),
+dtype and KV dtype, layers, KV heads, head dim, the RoPE configuration, the KV layout and the
+transfer mode. Block size, KV capacity and pipeline size are deliberately left out; they are
+negotiated after the hash matches.
+
+The weights fingerprint covers the checkpoint's files; `WeightTransforms` covers what a worker
+does to those weights when it loads them. Both change the KV bytes a prompt produces, so a
+`--quantization mxfp4` prefill and a bf16 decode of one checkpoint never pair.
 
 The transfer mode is never passed by a call site: `CompatFactors.for_transfer` reads it from the
 transfer class's `mode` attribute, so the hash and the running code cannot disagree.
@@ -25,6 +30,7 @@ from shared.model.attention import KV_LAYOUT
 from shared.protocol.codec import KV_PROTOCOL_VERSION
 
 if TYPE_CHECKING:
+    from shared.config import EngineConfig
     from shared.model.config import ModelConfig
 
 RopeValue = str | int | float | bool | None
@@ -35,11 +41,48 @@ class HasTransferMode(Protocol):
 
 
 @dataclass(frozen=True)
+class WeightTransforms:
+    """Every run-time transform of the checkpoint's weights, i.e. what makes two workers of one
+    checkpoint (one weights fingerprint) compute different KV bytes for the same prompt.
+
+    This is the one place such transforms are listed: a new one (another quantisation scheme,
+    an adapter merged at load, pruning...) becomes a field here whose default is "untouched",
+    set in `from_engine_config`. It then travels inside the `weight_transforms` factor, so a
+    handshake refusal names it and the router groups on it. Values are plain strings naming a
+    format, so the factor reads well in an error message.
+    """
+
+    quantization: str = "none"  # format of the decoder's linear layers: "none" | "mxfp4"
+    lm_head: str = "dense"  # format of the LM head (it samples the prefill's first token)
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> WeightTransforms:
+        """What an engine built from `config` does to its weights.
+
+        Resolved as the engine resolves it (shared/engine/engine.py `_quant_config`): without
+        --quantize-lm-head the head follows the default of on-the-fly quantisation. A
+        pre-quantised checkpoint is covered by its fingerprint (its files differ).
+        """
+        from shared.model.quant import QuantConfig  # imports the kernels; only needed here
+
+        quant = QuantConfig.parse(config.quantization)
+        if quant is None:
+            return cls()
+        head = quant.method if (config.quantize_lm_head or quant.lm_head) else "dense"
+        return cls(quantization=str(quant.method), lm_head=str(head))
+
+    def items(self) -> tuple[tuple[str, str], ...]:
+        """Canonical (name, value) pairs, sorted: the factor's hashable form."""
+        return tuple(sorted((f.name, getattr(self, f.name)) for f in fields(self)))
+
+
+@dataclass(frozen=True)
 class ModelKVSpec:
     """What the engine knows about its KV cache's meaning (everything but the transfer mode).
 
     `rope` is the checkpoint's RoPE configuration (theta, scaling type and factors...), kept as
-    sorted (key, value) pairs so the dataclass stays hashable and canonical.
+    sorted (key, value) pairs so the dataclass stays hashable and canonical. `transforms` is
+    what the worker does to the weights at load time (untouched by default).
     """
 
     model_id: str
@@ -51,6 +94,7 @@ class ModelKVSpec:
     head_dim: int
     rope: tuple[tuple[str, RopeValue], ...] = ()
     kv_layout: str = KV_LAYOUT
+    transforms: WeightTransforms = WeightTransforms()
 
     @staticmethod
     def rope_items(rope: Mapping[str, Any]) -> tuple[tuple[str, RopeValue], ...]:
@@ -62,13 +106,16 @@ class ModelKVSpec:
         return tuple(sorted((str(k), scalar(v)) for k, v in rope.items()))
 
     @classmethod
-    def from_model(cls, model_id: str, weights_fingerprint: str, dtype: str, kv_dtype: str,
+    def from_model(cls, model_id: str, weights_fingerprint: str, engine: EngineConfig,
                    config: ModelConfig) -> ModelKVSpec:
-        """The spec of a loaded model (ModelConfig carries geometry and RoPE)."""
-        return cls(model_id=model_id, weights_fingerprint=weights_fingerprint, dtype=dtype,
-                   kv_dtype=kv_dtype, num_layers=config.num_layers,
-                   num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                   rope=cls.rope_items(dataclasses.asdict(config.rope)))
+        """The spec of a loaded model: ModelConfig carries geometry and RoPE, the engine's
+        configuration the dtypes and the weight transforms. Taking the whole EngineConfig
+        keeps the choice of what matters here, in one place, rather than at call sites."""
+        return cls(model_id=model_id, weights_fingerprint=weights_fingerprint,
+                   dtype=engine.dtype, kv_dtype=engine.resolved_kv_dtype,
+                   num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+                   head_dim=config.head_dim, rope=cls.rope_items(dataclasses.asdict(config.rope)),
+                   transforms=WeightTransforms.from_engine_config(engine))
 
 
 @dataclass(frozen=True)
@@ -79,6 +126,7 @@ class CompatFactors:
     protocol_version: int
     model_id: str
     weights_fingerprint: str
+    weight_transforms: tuple[tuple[str, str], ...]  # WeightTransforms.items()
     dtype: str
     kv_dtype: str
     num_layers: int
@@ -92,16 +140,19 @@ class CompatFactors:
     def for_transfer(cls, spec: ModelKVSpec, transfer_cls: type[HasTransferMode]) -> CompatFactors:
         return cls(
             protocol_version=KV_PROTOCOL_VERSION, model_id=spec.model_id,
-            weights_fingerprint=spec.weights_fingerprint, dtype=spec.dtype,
+            weights_fingerprint=spec.weights_fingerprint,
+            weight_transforms=spec.transforms.items(), dtype=spec.dtype,
             kv_dtype=spec.kv_dtype, num_layers=spec.num_layers,
             num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, rope=spec.rope,
             kv_layout=spec.kv_layout, transfer_mode=transfer_cls.mode,
         )
 
     def to_wire(self) -> dict[str, Any]:
-        """Plain, canonical data: RoPE as a sorted map (msgpack/JSON friendly)."""
+        """Plain, canonical data: RoPE and the weight transforms as sorted maps (msgpack/JSON
+        friendly)."""
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         out["rope"] = {k: v for k, v in self.rope}
+        out["weight_transforms"] = {k: v for k, v in self.weight_transforms}
         return dict(sorted(out.items()))
 
     @property

@@ -10,10 +10,12 @@ import pytest
 
 from services.kv_transfer.pull import PullTransfer
 from services.kv_transfer.push import PushTransfer
+from shared.config import EngineConfig
 from shared.protocol.codec import KV_PROTOCOL_VERSION
 from shared.protocol.compat import (
     CompatFactors,
     ModelKVSpec,
+    WeightTransforms,
     compat_hash,
     diff_factors,
     fingerprint_files,
@@ -40,10 +42,14 @@ def test_hash_is_stable_and_canonical() -> None:
 
 ALTERED = {
     "protocol_version": KV_PROTOCOL_VERSION + 1, "model_id": "other", "weights_fingerprint": "fp2",
+    "weight_transforms": WeightTransforms(quantization="mxfp4").items(),
     "dtype": "float32", "kv_dtype": "float32", "num_layers": 31, "num_kv_heads": 4,
     "head_dim": 128, "rope": ModelKVSpec.rope_items({"rope_theta": 10000.0}),
     "kv_layout": "other-layout", "transfer_mode": "push",
 }
+
+
+MAP_FACTORS = ("rope", "weight_transforms")  # sorted (key, value) pairs, a map on the wire
 
 
 def test_every_factor_is_covered_by_the_test() -> None:
@@ -57,7 +63,8 @@ def test_hash_is_sensitive_to_every_factor(name: str) -> None:
     assert g.hash != f.hash
     diffs = diff_factors(f, g.to_wire())
     assert [d.name for d in diffs] == [name]
-    assert repr(getattr(f, name) if name != "rope" else dict(f.rope)) in str(diffs[0])
+    value = getattr(f, name)
+    assert repr(dict(value) if name in MAP_FACTORS else value) in str(diffs[0])
 
 
 def test_diff_tolerates_garbage_and_unknown_factors() -> None:
@@ -73,6 +80,7 @@ def test_sha256_over_sorted_msgpack() -> None:
     f = CompatFactors.for_transfer(SPEC, PullTransfer)
     raw = {k: getattr(f, k) for k in sorted(ALTERED)}
     raw["rope"] = dict(sorted(f.rope))
+    raw["weight_transforms"] = dict(sorted(f.weight_transforms))
     expected = hashlib.sha256(msgpack.packb(dict(sorted(raw.items())), use_bin_type=True))
     assert f.hash == expected.hexdigest()
 
@@ -90,3 +98,79 @@ def test_pipeline_layout_stays_out_of_the_hash() -> None:
     names = {f.name for f in dataclasses.fields(CompatFactors)}
     assert not names & {"pp_size", "layer_ranges", "layer_start", "layer_end", "block_size"}
     assert KV_PROTOCOL_VERSION >= 2  # the version that added per-stage layer_ranges
+
+
+# --- Run-time weight transforms (quantisation) are factors --------------------------------
+
+# Every EngineConfig field, by whether it changes the KV bytes a prompt produces. A new field
+# fails test_every_engine_setting_is_classified until it is put in one of these: a transform
+# of the weights goes into WeightTransforms (shared/protocol/compat.py) and HASHED.
+HASHED = {  # field -> a value that must change the hash (from EngineConfig's defaults)
+    "dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "quantization": "mxfp4",
+    "quantize_lm_head": True,  # with quantization="mxfp4", against mxfp4 without the head
+}
+COVERED_BY_THE_CHECKPOINT = {"model"}  # weights_fingerprint and the served name
+KV_NEUTRAL = {  # field -> another value that must leave the hash alone
+    "max_model_len": 128, "block_size": 32, "kv_cache_memory_bytes": 1 << 20,
+    "max_num_seqs": 2, "max_num_batched_tokens": 64, "enable_prefix_caching": False,
+    "enable_chunked_prefill": False, "num_threads": 1, "seed": 7, "cache_dir": Path("/elsewhere"),
+}
+
+
+@pytest.fixture(scope="module")
+def model_config(ckpt: Path):
+    from shared.model.config import ModelConfig
+    from shared.model.loader import read_json
+
+    return ModelConfig.from_hf(read_json(ckpt / "config.json"))
+
+
+def _hash(engine: EngineConfig, model_config) -> str:
+    spec = ModelKVSpec.from_model("m", "fp", engine, model_config)
+    return CompatFactors.for_transfer(spec, PullTransfer).hash
+
+
+def test_every_engine_setting_is_classified() -> None:
+    classified = set(HASHED) | COVERED_BY_THE_CHECKPOINT | set(KV_NEUTRAL)
+    assert classified == {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+@pytest.mark.parametrize("name", sorted(HASHED))
+def test_settings_that_change_kv_bytes_change_the_hash(name: str, model_config) -> None:
+    base = EngineConfig(quantization="mxfp4") if name == "quantize_lm_head" else EngineConfig()
+    changed = dataclasses.replace(base, **{name: HASHED[name]})
+    assert _hash(changed, model_config) != _hash(base, model_config)
+
+
+@pytest.mark.parametrize("name", sorted(KV_NEUTRAL))
+def test_settings_that_leave_kv_bytes_alone_leave_the_hash(name: str, model_config) -> None:
+    base = EngineConfig()
+    changed = dataclasses.replace(base, **{name: KV_NEUTRAL[name]})
+    assert _hash(changed, model_config) == _hash(base, model_config)
+
+
+def test_quantised_and_dense_workers_differ_in_one_named_factor(model_config) -> None:
+    dense = ModelKVSpec.from_model("m", "fp", EngineConfig(), model_config)
+    quant = ModelKVSpec.from_model("m", "fp", EngineConfig(quantization="mxfp4"), model_config)
+    f, g = (CompatFactors.for_transfer(s, PullTransfer) for s in (dense, quant))
+    assert f.hash != g.hash
+    (diff,) = diff_factors(f, g.to_wire())
+    assert diff.name == "weight_transforms"
+    assert "'quantization': 'none'" in diff.local and "'quantization': 'mxfp4'" in diff.remote
+
+
+@pytest.mark.parametrize("quantization, head", [(None, False), ("mxfp4", False), ("mxfp4", True)])
+def test_weight_transforms_say_what_the_engine_loaded(ckpt: Path, quantization: str | None,
+                                                      head: bool) -> None:
+    """The factor is derived from the configuration; the loaded model is the reference."""
+    from shared.engine.engine import LLMEngine
+    from shared.model.quant import MXFP4Linear
+
+    config = EngineConfig(model=str(ckpt), quantization=quantization, quantize_lm_head=head,
+                          kv_cache_memory_bytes=4 << 20, num_threads=1)
+    model = LLMEngine.from_config(config).runner.model
+    decoder_quantised = any(isinstance(m, MXFP4Linear) for m in model.layers.modules())
+    loaded = WeightTransforms(quantization="mxfp4" if decoder_quantised else "none",
+                              lm_head="mxfp4" if isinstance(model.lm_head, MXFP4Linear)
+                              else "dense")
+    assert WeightTransforms.from_engine_config(config) == loaded

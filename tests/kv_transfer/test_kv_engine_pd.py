@@ -51,8 +51,8 @@ async def start_worker(ckpt: Path, role: str, mode: str) -> Worker:
     engine = AsyncEngine(cfg)
     await engine.start()
     kv_cache = await engine.call_in_engine(lambda e: e.runner.kv_cache)
-    spec = ModelKVSpec.from_model("small-random", engine.fingerprint, cfg.dtype,
-                                  cfg.resolved_kv_dtype, engine.model_config)
+    spec = ModelKVSpec.from_model("small-random", engine.fingerprint, cfg,
+                                  engine.model_config)
     kv_cfg = KVTransferConfig(role=role, mode=mode, port=0)
     service = KVTransferService(kv_cfg, spec, EngineBlockStore(engine, kv_cache),
                                 CollectorRegistry())

@@ -41,8 +41,8 @@ def engine_config(ckpt: Path) -> EngineConfig:
 
 
 def spec_of(engine: LLMEngine | AsyncEngine, cfg: EngineConfig) -> ModelKVSpec:
-    return ModelKVSpec.from_model("small-random", engine.fingerprint, cfg.dtype,
-                                  cfg.resolved_kv_dtype, engine.model_config)
+    return ModelKVSpec.from_model("small-random", engine.fingerprint, cfg,
+                                  engine.model_config)
 
 
 class DirectStore:

@@ -22,6 +22,12 @@ from pd_harness import (
 )
 from pd_mesh import MODEL, Mesh, worker_config
 
+from services.router.config import RouterConfig
+from services.router.errors import NoServableGroupError
+from services.router.pairing import Decision, Pairing
+from services.router.registry import WorkerRegistry
+from services.router.workers import Role, WorkerMetadata
+
 COMPLETIONS = "/v1/completions"
 BODY = {"model": MODEL, "prompt": "Pairing check " * 6, "max_tokens": 4, "temperature": 0}
 SECRET = b"pd-test-secret-0123456789"
@@ -34,6 +40,8 @@ def variants(tiny_model: Path) -> Iterator[dict[str, WorkerThread]]:
     configs = {
         "bf16_decode": worker_config(tiny_model, "decode", dtype="bfloat16"),
         "bs32_decode": worker_config(tiny_model, "decode", block_size=32),
+        # Same checkpoint and dtypes as the mesh's prefill, weights quantised at load time.
+        "mxfp4_decode": worker_config(tiny_model, "decode", quantization="mxfp4"),
         "signed_prefill": worker_config(tiny_model, "prefill", secret=SECRET),
         "signed_decode": worker_config(tiny_model, "decode", secret=SECRET),
     }
@@ -190,3 +198,48 @@ async def test_kv_requests_are_signed_when_a_secret_is_set(mesh: Mesh, variants)
                           json={"kv_transfer_params": params}) as resp:
             assert await resp.json() == {"released": True}
         await settle_to_zero(s, signed_prefill, signed_decode, mesh.decode.url, timeout=5.0)
+
+
+async def test_a_quantised_decode_is_refused_on_the_hash_naming_the_transform(mesh: Mesh,
+                                                                           variants) -> None:
+    async with aiohttp.ClientSession() as s:
+        pre = await metadata(s, mesh.prefill.url)
+        dec = await metadata(s, variants["mxfp4_decode"].url)
+        assert pre["compat_factors"]["weight_transforms"] == {"lm_head": "dense",
+                                                              "quantization": "none"}
+        assert dec["compat_factors"]["weight_transforms"]["quantization"] == "mxfp4"
+        assert pre["model"]["fingerprint"] == dec["model"]["fingerprint"]  # one checkpoint
+        assert pre["compat_hash"] != dec["compat_hash"]
+        # Dispatched anyway (as a router without groups would): the handshake refuses it.
+        got = await dispatch_pull(s, mesh.prefill.url, variants["mxfp4_decode"].url,
+                                  COMPLETIONS, BODY)
+        assert_envelope(got.error, 409, got.status)
+        assert got.error["code"] == "kv_incompatible"
+        assert "weight_transforms" in got.error["message"]
+        assert "'mxfp4'" in got.error["message"]
+        await settle_to_zero(s, mesh.prefill.url, variants["mxfp4_decode"].url, timeout=5.0)
+
+
+async def test_the_router_never_groups_a_quantised_worker_with_a_dense_one(mesh: Mesh,
+                                                                          variants) -> None:
+    """The router's own registry and pairing, fed the workers' real /v1/metadata."""
+    async with aiohttp.ClientSession() as s:
+        docs = {name: await metadata(s, url) for name, url in (
+            ("prefill", mesh.prefill.url), ("decode", mesh.decode.url),
+            ("mxfp4_decode", variants["mxfp4_decode"].url))}
+    registry = WorkerRegistry(RouterConfig().breaker)
+    pairing = Pairing(registry, RouterConfig())
+    registry.add("http://prefill", Role.PREFILL).mark_healthy(WorkerMetadata.parse(docs["prefill"]))
+    quantised = registry.add("http://mxfp4-decode", Role.DECODE)
+    quantised.mark_healthy(WorkerMetadata.parse(docs["mxfp4_decode"]))
+    assert len(registry.groups()) == 2 and not registry.servable_groups()
+    with pytest.raises(NoServableGroupError, match="no decode worker"):
+        pairing.plan(None, set())
+    # A dense decode completes the dense group; the quantised decode stays in its own.
+    registry.add("http://decode", Role.DECODE).mark_healthy(WorkerMetadata.parse(docs["decode"]))
+    (group,) = registry.servable_groups()
+    assert group.compat_hash == docs["prefill"]["compat_hash"]
+    assert quantised.id not in group.decode
+    for _ in range(8):
+        route = pairing.plan(None, set())
+        assert route.decision is Decision.PREFILL_DECODE and route.target is not quantised
