@@ -85,7 +85,6 @@ class EngineRequestError(Exception):
         super().__init__(api_error.message)
         self.api_error = api_error
 
-
     def for_request(self, request_id: str | None) -> ApiError:
         """`api_error` with the request's id (X-Request-Id) in its message, as the client gets
         it: one id ties the client's error to the worker's log and the router's."""
