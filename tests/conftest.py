@@ -1,5 +1,7 @@
 """Fixtures shared by every test area: torch's thread count restored after each test, the
-embedded model's tokenizer directory, and random-weight checkpoints written once per spec.
+embedded model's tokenizer directory, random-weight checkpoints written once per spec, and two
+broken-on-purpose ones: a padded vocabulary that emits ids the tokenizer cannot spell, and a
+model whose weights are all NaN.
 
 Engines in tests run on 1 thread (fast and stable on a busy 2-core box); EngineConfig's
 num_threads sets torch's process-wide count, so each test puts it back.
@@ -12,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from shared.model.make_model import ModelSpec, write_checkpoint
+from shared.model.make_model import VOCAB_SIZE, ModelSpec, write_checkpoint
 from shared.model.registry import resolve_model
 
 
@@ -43,3 +46,28 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory,
         return cache[spec]
 
     return build
+
+
+# Tiny llama with 64 LM-head rows past SmolLM2's 49152 tokens, scaled so that greedy decoding
+# mixes ids the tokenizer knows with ids it cannot spell (about half and half).
+PADDED_VOCAB = {"preset": "tiny", "tie_word_embeddings": False, "seed": 0,
+                "vocab_size": VOCAB_SIZE + 64, "padding_head_scale": 2.0}
+
+
+@pytest.fixture(scope="session")
+def padded_vocab_ckpt(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint(**PADDED_VOCAB)
+
+
+@pytest.fixture(scope="session")
+def nan_ckpt(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint with every weight NaN (the files are otherwise untouched)."""
+    src = make_checkpoint(preset="tiny", seed=0)
+    out = tmp_path_factory.mktemp("nan-ckpt")
+    for f in src.iterdir():
+        if f.name == "model.safetensors":
+            weights = {k: torch.full_like(v, float("nan")) for k, v in load_file(f).items()}
+            save_file(weights, str(out / f.name), metadata={"format": "pt"})
+        else:
+            (out / f.name).write_bytes(f.read_bytes())
+    return out

@@ -33,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="legacy rope_theta+rope_scaling, or transformers-5 rope_parameters")
     parser.add_argument("--num-shards", type=int, default=1)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="embedding / LM-head rows (default: the tokenizer's 49152); more "
+                             "is a padded vocabulary")
+    parser.add_argument("--padding-head-scale", type=float, default=1.0,
+                        help="with --untied and a padded --vocab-size: scale the LM head's rows "
+                             "past the tokenizer (2 makes greedy decoding emit such ids)")
     parser.add_argument("--tokenizer-from", type=Path, default=None,
                         help="copy tokenizer files from this directory instead of the embedded "
                              "SmolLM2 model")
@@ -49,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
             rope_type=args.rope_type, rope_factor=args.rope_factor,
             original_max_position_embeddings=args.original_max_position_embeddings,
             max_position_embeddings=args.max_position_embeddings, rope_keys=args.rope_keys,
-            num_shards=args.num_shards, dtype=args.dtype,
+            num_shards=args.num_shards, dtype=args.dtype, vocab_size=args.vocab_size,
+            padding_head_scale=args.padding_head_scale,
         )
     except ValueError as exc:
         print(f"make-model: {exc}", file=sys.stderr)

@@ -7,8 +7,10 @@ import json
 import shlex
 import socket
 import sys
+from typing import Any
 
-HELP = "Start a router and N prefill + N decode workers on loopback; Ctrl-C stops them all."
+HELP = ("Start a router and N prefill + N decode workers on loopback, restarting any that "
+        "exits; Ctrl-C stops them all.")
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # shared.config.DEFAULT_MODEL, without importing it
 
@@ -34,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="workers' log level (their access logs are at INFO)")
     parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="extra argument for the router (repeatable)")
+    parser.add_argument("--restart-delay", type=float, default=1.0,
+                        help="seconds before restarting a child that exited once the mesh is "
+                             "up; doubled on each restart in a row")
+    parser.add_argument("--restart-max-delay", type=float, default=30.0,
+                        help="cap of the restart backoff, in seconds")
 
 
 def _free_port(host: str, start: int, taken: set[int]) -> int:
@@ -135,15 +142,18 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import os
 
+    from services.router.supervisor import RestartPolicy
+
     try:
         specs, url = plan(args, os.cpu_count() or 1)
+        policy = RestartPolicy(initial_s=args.restart_delay, max_s=args.restart_max_delay)
     except (ValueError, RuntimeError) as exc:
         print(f"pdmesh up: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_up(specs, url, args))
+    return asyncio.run(_up(specs, url, args, policy))
 
 
-async def _up(specs: list, url: str, args: argparse.Namespace) -> int:
+async def _up(specs: list, url: str, args: argparse.Namespace, policy: Any) -> int:
     import asyncio
     import signal
 
@@ -168,10 +178,9 @@ async def _up(specs: list, url: str, args: argparse.Namespace) -> int:
                     else f"[up] {url}/health not ready after {args.ready_timeout:.0f}s")
             return 1
         sup.say(banner(url, args.model))
-        failed = await sup.watch(stop)
-        if failed is not None:
-            sup.say(f"[up] {failed.spec.name} exited with {failed.proc.returncode}; stopping")
-            return 1
+        # From here on a child that exits is restarted (a worker whose engine failed exits 1
+        # on purpose); before, an exit is a start-up failure and ends `up` (above).
+        await sup.supervise(stop, policy)
         return 0
     finally:
         sup.say("[up] stopping")

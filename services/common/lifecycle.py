@@ -24,7 +24,7 @@ class ServiceState(StrEnum):
     READY = "ready"
     DRAINING = "draining"  # SIGTERM received: no new requests, in-flight ones finish
     STOPPED = "stopped"
-    FAILED = "failed"  # a resource failed to load; the runner exits non-zero
+    FAILED = "failed"  # a resource failed (to load, or later); the runner exits non-zero
 
 
 class Lifecycle:
@@ -36,6 +36,7 @@ class Lifecycle:
     def __init__(self) -> None:
         self.state = ServiceState.STARTING
         self.failure: str | None = None
+        self.failure_code = "startup_failed"  # the 503s' error code once FAILED
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -50,8 +51,18 @@ class Lifecycle:
             self.state = ServiceState.READY
 
     def mark_failed(self, reason: str) -> None:
+        """A resource failed to start: refuse everything and let the runner exit now."""
+        self.fail(reason, "startup_failed")
+        self.finish()
+
+    def fail(self, reason: str, code: str) -> None:
+        """A resource failed while serving: from now on guarded paths and /health answer 503
+        with `code`; the caller drains what is in flight, then calls `finish`."""
         self.state = ServiceState.FAILED
-        self.failure = reason
+        self.failure, self.failure_code = reason, code
+
+    def finish(self) -> None:
+        """Let the runner exit (non-zero when FAILED)."""
         self._finished.set()
 
     def begin_drain(self) -> None:
@@ -88,8 +99,10 @@ class Lifecycle:
     def unavailable(self) -> ServiceUnavailableError:
         if self.state is ServiceState.STARTING:
             message, code = "The service is starting (model loading)", "not_ready"
-        elif self.state is ServiceState.FAILED:
+        elif self.state is ServiceState.FAILED and self.failure_code == "startup_failed":
             message, code = f"The service failed to start: {self.failure}", "startup_failed"
+        elif self.state is ServiceState.FAILED:
+            message, code = f"The service failed: {self.failure}", self.failure_code
         else:
             message, code = "The service is shutting down", "draining"
         return ServiceUnavailableError(message, code=code, headers={"Retry-After": "1"})

@@ -1,9 +1,13 @@
-"""Child-process supervision for `pdmesh up`: start, stream logs, watch, stop without orphans.
+"""Child-process supervision for `pdmesh up`: start, stream logs, restart, stop without orphans.
 
 Each child runs in its own session (process group), so a signal reaches everything it spawned,
 and a terminal's Ctrl-C reaches only the supervisor, which then stops children in order:
 SIGTERM to each group, a grace period, SIGKILL to what is left. On Linux each child also gets
 PR_SET_PDEATHSIG, so even a SIGKILLed supervisor leaves no worker behind.
+
+Once the mesh is up, a child that exits (a worker whose engine failed exits 1 on purpose) is
+started again with the same argv after an exponential backoff (`RestartPolicy`), and each
+restart is announced on stderr.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,39 +43,69 @@ class ChildSpec:
     argv: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Backoff for restarting an exited child: `initial_s`, doubled on each consecutive
+    restart, at most `max_s`. A child that ran `reset_after_s` or longer counts as having
+    recovered: its next restart waits `initial_s` again."""
+
+    initial_s: float = 1.0
+    max_s: float = 30.0
+    reset_after_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.initial_s <= self.max_s:
+            raise ValueError(f"restart delays need 0 < initial ({self.initial_s}) <= max "
+                             f"({self.max_s})")
+
+    def delay(self, consecutive: int) -> float:
+        """Seconds before restart number `consecutive` (1-based) of a crash loop."""
+        return min(self.max_s, self.initial_s * 2.0 ** (consecutive - 1))
+
+
 @dataclass
 class Child:
     spec: ChildSpec
     proc: asyncio.subprocess.Process
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
     pump: asyncio.Task[None] | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    crash_loop: int = 0  # consecutive restarts without a run of reset_after_s
 
 
 class Supervisor:
     """Runs children, prefixes their output with their name, and stops them all."""
 
     def __init__(self, specs: Sequence[ChildSpec], out: TextIO = sys.stdout,
-                 grace_s: float = 10.0) -> None:
+                 grace_s: float = 10.0, err: TextIO = sys.stderr) -> None:
         self._specs = list(specs)
         self._out = out
+        self._err = err
         self._grace_s = grace_s
+        self._width = max((len(s.name) for s in self._specs), default=0)
         self.children: list[Child] = []
 
     def say(self, line: str) -> None:
         self._out.write(line + "\n")
         self._out.flush()
 
+    def warn(self, line: str) -> None:
+        self._err.write(line + "\n")
+        self._err.flush()
+
     async def start(self) -> None:
-        width = max(len(s.name) for s in self._specs)
         for spec in self._specs:
-            proc = await asyncio.create_subprocess_exec(
-                *spec.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=_die_with_parent)
-            child = Child(spec, proc)
-            child.pump = asyncio.create_task(self._pump(child, spec.name.ljust(width)))
-            self.children.append(child)
-            self.say(f"[up] started {spec.name} (pid {proc.pid}): {' '.join(spec.argv)}")
+            self.children.append(await self._spawn(spec))
+
+    async def _spawn(self, spec: ChildSpec) -> Child:
+        proc = await asyncio.create_subprocess_exec(
+            *spec.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=_die_with_parent)
+        child = Child(spec, proc)
+        child.pump = asyncio.create_task(self._pump(child, spec.name.ljust(self._width)))
+        self.say(f"[up] started {spec.name} (pid {proc.pid}): {' '.join(spec.argv)}")
+        return child
 
     async def _pump(self, child: Child, prefix: str) -> None:
         assert child.proc.stdout is not None
@@ -97,16 +132,39 @@ class Supervisor:
                 await asyncio.sleep(0.5)
         return False
 
-    async def watch(self, stop: asyncio.Event) -> Child | None:
-        """Until `stop` is set (None) or a child exits (that child)."""
-        waits = {asyncio.ensure_future(c.proc.wait()): c for c in self.children}
-        stopper = asyncio.ensure_future(stop.wait())
+    async def supervise(self, stop: asyncio.Event, policy: RestartPolicy) -> None:
+        """Until `stop` is set: restart every child that exits, with `policy`'s backoff."""
+        keepers = [asyncio.create_task(self._keep_alive(i, stop, policy))
+                   for i in range(len(self.children))]
         try:
-            done, _ = await asyncio.wait({*waits, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            await stop.wait()
         finally:
-            for fut in (*waits, stopper):
-                fut.cancel()
-        return None if stopper in done else self.exited()
+            for keeper in keepers:
+                keeper.cancel()
+            await asyncio.gather(*keepers, return_exceptions=True)
+
+    async def _keep_alive(self, index: int, stop: asyncio.Event, policy: RestartPolicy) -> None:
+        while not stop.is_set():
+            child = self.children[index]
+            code = await child.proc.wait()
+            if stop.is_set():
+                return
+            ran = time.monotonic() - child.started_at
+            crash_loop = 1 if ran >= policy.reset_after_s else child.crash_loop + 1
+            delay = policy.delay(crash_loop)
+            self.warn(f"[up] {child.spec.name} exited with {code} after {ran:.1f}s; restarting "
+                      f"in {delay:.1f}s (restart {crash_loop} in a row)")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+                return  # stopping: no restart
+            try:
+                fresh = await self._spawn(child.spec)
+            except OSError as exc:  # retried after the next, longer delay
+                self.warn(f"[up] could not restart {child.spec.name}: {exc}")
+                child.crash_loop, child.started_at = crash_loop, time.monotonic()
+                continue
+            fresh.crash_loop = crash_loop
+            self.children[index] = fresh
 
     async def stop(self) -> None:
         """SIGTERM every group (the router first), wait the grace period, SIGKILL the rest."""

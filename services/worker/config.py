@@ -63,6 +63,9 @@ class WorkerConfig:
     max_body_size: int = DEFAULT_MAX_BODY_SIZE
     max_queue: int = 256
     drain_grace_seconds: float = 30.0
+    # After an engine failure: in-flight requests get this long to be answered, then the
+    # process exits non-zero (for its supervisor to restart it).
+    engine_failure_drain_seconds: float = 5.0
     served_model_names: tuple[str, ...] = ()
     kv: KVTransferConfig | None = None
     kv_load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.FAIL
@@ -90,6 +93,8 @@ class WorkerConfig:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.drain_grace_seconds < 0:
             raise ValueError("drain_grace_seconds must be >= 0")
+        if self.engine_failure_drain_seconds < 0:
+            raise ValueError("engine_failure_drain_seconds must be >= 0")
         if any(not key for key in self.api_keys):
             raise ValueError("API keys must be non-empty")
 
@@ -144,6 +149,7 @@ class WorkerConfig:
             max_body_size=parse_size(args.max_body_size),
             max_queue=args.max_queue,
             drain_grace_seconds=args.drain_grace_seconds,
+            engine_failure_drain_seconds=args.engine_failure_drain_seconds,
             served_model_names=tuple(args.served_model_name or ()),
             pipeline=pipeline_config.from_args(args),
         )
@@ -167,6 +173,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=w.max_queue,
                         help="sequences allowed beyond --max-num-seqs before answering 429")
     parser.add_argument("--drain-grace-seconds", type=float, default=w.drain_grace_seconds)
+    parser.add_argument("--engine-failure-drain-seconds", type=float,
+                        default=w.engine_failure_drain_seconds,
+                        help="after an engine failure: seconds to answer in-flight requests "
+                             "before exiting non-zero")
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
     eng.add_argument("--max-model-len", type=int, default=None)

@@ -44,7 +44,9 @@ class EngineClient(Protocol):
     """An engine that runs on its own thread and streams `RequestOutput`s to asyncio.
 
     Leaving a `generate` iterator early (or calling `abort`) frees the request's KV blocks
-    within one engine step. `generate`'s keywords go to `LLMEngine.add_request` (the P/D legs
+    within one engine step. An exception escaping an engine step fails the engine for good:
+    every request gets an ERROR output at once, `healthy` turns False, `failure` says why and
+    the failure listeners run. `generate`'s keywords go to `LLMEngine.add_request` (the P/D legs
     use `hold_kv` and `wait_for_remote_kv`); `call_in_engine(fn)` runs `fn(LLMEngine)` on the
     engine thread between steps (P/D only; a mixed worker never calls either).
     """
@@ -59,6 +61,11 @@ class EngineClient(Protocol):
     @property
     def healthy(self) -> bool: ...
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine failed; None while it runs, and after a clean shutdown."""
+        ...
+
     async def start(self) -> None: ...
 
     async def shutdown(self) -> None: ...
@@ -68,6 +75,11 @@ class EngineClient(Protocol):
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def call_in_engine(self, fn: Callable[[Any], T]) -> T: ...
+
+    def add_failure_listener(self, fn: Callable[[str], None]) -> None:
+        """Call fn(reason) on the event loop once the engine has failed (every request it
+        ran has then got an ERROR output, and new ones are refused)."""
+        ...
 
     def abort(self, request_id: str) -> None: ...
 

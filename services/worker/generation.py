@@ -85,9 +85,27 @@ class EngineRequestError(Exception):
         super().__init__(api_error.message)
         self.api_error = api_error
 
+    def for_request(self, request_id: str | None) -> ApiError:
+        """`api_error` with the request's id (X-Request-Id) in its message, as the client gets
+        it: one id ties the client's error to the worker's log and the router's."""
+        err = self.api_error
+        return type(err)(f"{err.message} (request id {request_id})", param=err.param,
+                         code=err.code, headers=err.headers)
+
+
+ENGINE_FAILED = "engine_failed"  # error code (and /health reason) once the engine has failed
+
 
 def _engine_failure(engine: EngineClient, exc: BaseException | None, message: str) -> EngineRequestError:
-    """Classify a failure: engine down -> 503, request refused (ValueError) -> 400, else 500."""
+    """Classify a failure. The engine failed: a request it was running gets 500, one it
+    refused 503 (both `engine_failed`); engine stopped -> 503; request refused (ValueError)
+    -> 400; anything else (e.g. NaN logits for this request) -> 500 `engine_error`."""
+    if engine.failure is not None:
+        if exc is None:
+            return EngineRequestError(InternalServerError(
+                f"The engine failed while running this request: {message}", code=ENGINE_FAILED))
+        return EngineRequestError(ServiceUnavailableError(
+            f"The engine is not running: {message}", code=ENGINE_FAILED))
     if not engine.healthy:
         return EngineRequestError(ServiceUnavailableError(
             f"The engine is not running: {message}", code="engine_dead"))

@@ -27,17 +27,16 @@ class PromptBuilder:
     def __init__(self, engine: EngineClient) -> None:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
-        # Ids must be valid for the model (embedding rows) and for the tokenizer (decode).
-        tokenizer_vocab = getattr(engine.tokenizer, "vocab_size", None)
+        # Ids are valid when the model has a row for them (as HF transformers takes them),
+        # even past the tokenizer's last token (padded vocabularies): those decode to "".
         self.vocab_size = int(engine.model_config.vocab_size)
-        if tokenizer_vocab:
-            self.vocab_size = min(self.vocab_size, int(tokenizer_vocab))
 
     def check_token_ids(self, ids: tuple[int, ...] | list[int], param: str) -> None:
         for token in ids:
             if not 0 <= token < self.vocab_size:
                 raise BadRequestError(
-                    f"Token id {token} is out of range [0, {self.vocab_size})", param=param)
+                    f"Token id {token} is out of range: this model takes ids in "
+                    f"[0, {self.vocab_size}) (its vocabulary rows)", param=param)
 
     def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         try:

@@ -11,11 +11,12 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from services.common.errors import BadRequestError
+from services.common.errors import BadRequestError, ServiceUnavailableError
 from services.common.json_body import json_response, read_json_object
 from services.common.lifecycle import LIFECYCLE_KEY
 from services.worker.chat_messages import parse_messages
 from services.worker.fields import Fields, invalid
+from services.worker.generation import ENGINE_FAILED
 from services.worker.metadata import build_metadata
 from services.worker.openai_protocol import parse_chat_request, parse_completion_request
 from services.worker.runtime import WorkerRuntime
@@ -106,14 +107,16 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 once the model is loaded and warm and the engine is healthy; 503 otherwise."""
+    """200 once the model is loaded and warm and the engine is healthy; else 503 with an
+    error envelope whose code is the reason (not_ready, draining, startup_failed,
+    engine_failed). Read-only: the engine's failure listener moves the lifecycle."""
     lifecycle = request.app[LIFECYCLE_KEY]
     engine = request.app[RUNTIME_KEY].engine
     if not lifecycle.ready:
         raise lifecycle.unavailable()
-    if engine is None or not engine.healthy:
-        lifecycle.mark_failed("engine unhealthy")
-        raise lifecycle.unavailable()
+    if engine is None or not engine.healthy:  # failed a moment ago: the listener is queued
+        raise ServiceUnavailableError(f"The engine is not running: {engine and engine.failure}",
+                                      code=ENGINE_FAILED, headers={"Retry-After": "1"})
     return json_response({"status": "ok"})
 
 

@@ -5,10 +5,16 @@ loads; `load` runs as a background task owned by the app's `cleanup_ctx`, and fl
 lifecycle to READY once the engine has loaded and warmed up (`AsyncEngine.start` does both,
 off the event loop) and, on a prefill or decode worker, its KV-transfer service listens.
 `close` stops the KV service first: closing it releases held leases through the engine.
+
+An engine failure is final for the process: the lifecycle turns FAILED at once (/health and
+every API path answer 503 `engine_failed`; the engine has already failed the requests it ran),
+in-flight handlers get `engine_failure_drain_seconds` to send their errors, and then the
+runner exits non-zero so that docker compose, Kubernetes or `pdmesh up` start a fresh process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -16,6 +22,7 @@ from services.common.lifecycle import Lifecycle
 from services.worker.admission import AdmissionControl
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient, EngineFactory
+from services.worker.generation import ENGINE_FAILED
 from services.worker.handoff import Handoff
 from services.worker.metrics import WorkerMetrics
 from services.worker.serving import GenerationService
@@ -42,12 +49,14 @@ class WorkerRuntime:
         self.kv_link: KVLink | None = None
         self.metrics = WorkerMetrics(config.served_model_name, lambda: self.engine)
         self.admission = AdmissionControl(config.admission_capacity)
+        self._exit_task: asyncio.Task[None] | None = None  # drain, then exit (engine failed)
 
     async def load(self, lifecycle: Lifecycle) -> None:
         log.info("loading model %s", self.config.engine.model)
         engine = self._factory(self.config.engine)  # cheap: start() does the loading
         self._owned = engine
         await engine.start()  # loads off the event loop and runs the engine's warm-up step
+        engine.add_failure_listener(lambda reason: self._engine_failed(lifecycle, reason))
         handoff = None
         if self.config.kv is not None:
             from services.worker.kv_link import KVLink  # torch: prefill/decode workers only
@@ -59,7 +68,27 @@ class WorkerRuntime:
         lifecycle.mark_ready()
         log.info("model %s ready (max_model_len %d)", self.config.engine.model, engine.max_model_len)
 
+    def _engine_failed(self, lifecycle: Lifecycle, reason: str) -> None:
+        """Engine failure listener (event loop): refuse work now, exit after the drain."""
+        if self._exit_task is not None:
+            return
+        lifecycle.fail(f"the engine failed: {reason}", ENGINE_FAILED)
+        drain = self.config.engine_failure_drain_seconds
+        log.error("the engine failed; /health answers 503 and the worker exits with status 1 "
+                  "after at most %.1fs of drain", drain)
+        self._exit_task = asyncio.create_task(self._exit_after_drain(lifecycle, drain))
+
+    @staticmethod
+    async def _exit_after_drain(lifecycle: Lifecycle, drain: float) -> None:
+        try:
+            if not await lifecycle.wait_idle(drain):
+                log.warning("exiting with %d request(s) still in flight", lifecycle.in_flight)
+        finally:  # even if cancelled: the process must not outlive its engine
+            lifecycle.finish()
+
     async def close(self) -> None:
+        if self._exit_task is not None:
+            self._exit_task.cancel()
         engine, self._owned, self.engine, self.service = self._owned, None, None, None
         link, self.kv_link = self.kv_link, None
         if link is not None:

@@ -27,6 +27,7 @@ from aiohttp import web
 
 from services.common.errors import InternalServerError, NotFoundError
 from services.common.json_body import dumps, json_response
+from services.common.middleware import REQUEST_ID_KEY
 from services.worker.admission import AdmissionControl
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient
@@ -189,7 +190,7 @@ class GenerationService:
                         headers[PHASES_HEADER] = dumps(load.phases())
                     if stream:
                         return await self._stream(request, builder, events, states, timers, headers)
-                    await self._collect(events, states, timers)
+                    await self._collect(request, events, states, timers)
                 body = builder.full_body(list(states.values()))
                 if leg is not None and leg.is_prefill:
                     await self._hand_off(leg, spec, states[0], body)
@@ -210,15 +211,16 @@ class GenerationService:
                                                                  first)
         body["usage"]["prompt_tokens_details"] = {"cached_tokens": state.num_cached_tokens}
 
-    async def _collect(self, events: Events, states: dict[int, ChoiceState],
-                       timers: dict[int, ChoiceTimer]) -> None:
+    async def _collect(self, request: web.Request, events: Events,
+                       states: dict[int, ChoiceState], timers: dict[int, ChoiceTimer]) -> None:
         try:
             async for job, out in events:
                 states[job.index].update(out)
                 timers[job.index].on_output(out)
         except EngineRequestError as exc:
-            log.error("generation failed: %s", exc)
-            raise exc.api_error from None
+            rid = request.get(REQUEST_ID_KEY)
+            log.error("request %s: generation failed: %s", rid, exc)
+            raise exc.for_request(rid) from None
 
     async def _stream(self, request: web.Request, builder: ResponseBuilder, events: Events,
                       states: dict[int, ChoiceState], timers: dict[int, ChoiceTimer],
@@ -237,11 +239,12 @@ class GenerationService:
                 await writer.send([builder.usage_chunk(list(states.values()))])
             await writer.done()
         except EngineRequestError as exc:
-            log.error("generation failed mid-stream: %s", exc)
+            rid = request.get(REQUEST_ID_KEY)
+            log.error("request %s: generation failed mid-stream: %s", rid, exc)
             if not writer.started:
-                raise exc.api_error from None
+                raise exc.for_request(rid) from None
             with contextlib.suppress(ConnectionError):
-                await writer.send_error(exc.api_error)
+                await writer.send_error(exc.for_request(rid))
                 await writer.done()
         except ConnectionError:
             log.info("client went away during %s", builder.spec.response_id)

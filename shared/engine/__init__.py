@@ -16,6 +16,7 @@ _EXPORTS = {
     "GenerationOutput": "shared.engine.llm",
     "AsyncEngine": "shared.engine.async_engine",
     "EngineDeadError": "shared.engine.async_engine",
+    "EngineState": "shared.engine.async_engine",
     "LLMEngine": "shared.engine.engine",
     "EngineStats": "shared.engine.engine",
     "PrefilledKV": "shared.engine.request",
@@ -25,13 +26,13 @@ _EXPORTS = {
     "TokenLogprob": "shared.engine.outputs",
 }
 __all__ = [
-    "LLM", "AsyncEngine", "CompletionOutput", "EngineDeadError", "EngineStats", "FinishReason",
+    "LLM", "AsyncEngine", "CompletionOutput", "EngineDeadError", "EngineState", "EngineStats", "FinishReason",
     "GenerationOutput", "LLMEngine", "PrefilledKV", "RequestOutput", "SamplingParams",
     "TokenLogprob",
 ]
 
 if TYPE_CHECKING:
-    from shared.engine.async_engine import AsyncEngine, EngineDeadError
+    from shared.engine.async_engine import AsyncEngine, EngineDeadError, EngineState
     from shared.engine.engine import EngineStats, LLMEngine
     from shared.engine.llm import LLM, CompletionOutput, GenerationOutput
     from shared.engine.outputs import FinishReason, RequestOutput, TokenLogprob

@@ -7,8 +7,12 @@ Condition (no busy spin). Outputs go back with ONE `loop.call_soon_threadsafe` p
 which puts each RequestOutput into its request's asyncio.Queue, hands that step's KV
 progress (full prompt blocks of `on_kv_progress` requests) to their listeners, and then runs
 the step listeners (the KV service reaps expired leases there: once per engine step).
-If a step raises, the thread fails every in-flight request with an ERROR output, marks the
-engine unhealthy and exits; later calls raise EngineDeadError.
+If a step (or a command between steps) raises, the engine is FAILED: in this order, the
+traceback is logged once, the state flips (no command gets in any more; later calls raise
+EngineDeadError), every stream and call_in_engine caller still waiting gets an ERROR output /
+EngineDeadError, the failure listeners run (the worker turns unhealthy and exits), and only
+then is the engine asked to finish its requests (`fail_all`, which decodes their tails and may
+well raise again: that must not, and now cannot, keep anyone waiting).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,13 +44,23 @@ class EngineDeadError(RuntimeError):
     """The engine thread is not running (never started, shut down, or crashed)."""
 
 
+class EngineState(StrEnum):
+    """NEW -> RUNNING -> STOPPED (shutdown) or FAILED (an exception escaped a step)."""
+
+    NEW = "new"
+    RUNNING = "running"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
 class AsyncEngine:
     """The services' handle on one engine; every public method is called from the event loop.
 
     After `await start()`: tokenizer, model_config, model_dir, max_model_len, fingerprint and
     a fresh engine_id are set. `generate` yields incremental RequestOutputs; leaving the
     iteration early (break + aclose, cancellation, GeneratorExit) aborts the request, which
-    frees its blocks before the next step.
+    frees its blocks before the next step. `healthy` is True exactly while RUNNING; `failure`
+    says why the engine FAILED.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -57,7 +72,8 @@ class AsyncEngine:
         self.max_model_len = 0
         self.fingerprint = ""
         self.engine_id = ""
-        self.healthy = False
+        self.state = EngineState.NEW
+        self.failure: str | None = None
         self._cond = threading.Condition()
         self._commands: deque[Callable[[LLMEngine], None]] = deque()
         self._stopping = False
@@ -68,6 +84,12 @@ class AsyncEngine:
         self._waiters: set[asyncio.Future[Any]] = set()  # pending call_in_engine results
         self._kv_listeners: dict[str, Callable[[KVProgress], None]] = {}
         self._step_listeners: list[Callable[[], None]] = []
+        self._failure_listeners: list[Callable[[str], None]] = []
+        self._failure_told = False  # the failure listeners ran (event loop only)
+
+    @property
+    def healthy(self) -> bool:
+        return self.state is EngineState.RUNNING
 
     # ---- life cycle ------------------------------------------------------------------------
     async def start(self, engine: LLMEngine | None = None) -> None:
@@ -84,7 +106,7 @@ class AsyncEngine:
         self._stats = engine.stats()
         self._loop = asyncio.get_running_loop()
         self._stopping = False
-        self.healthy = True
+        self.state, self.failure = EngineState.RUNNING, None
         self._thread = threading.Thread(target=self._run, name="pdmesh-engine", daemon=True)
         self._thread.start()
 
@@ -98,51 +120,72 @@ class AsyncEngine:
             self._cond.notify()
         await asyncio.to_thread(thread.join)
         self._thread = None
-        self.healthy = False
 
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
         assert engine is not None
         try:
-            while True:
-                with self._cond:
-                    if not self._commands and not self._stopping and not engine.has_work():
-                        self._cond.wait(_IDLE_WAIT_S)
-                    commands, self._commands = self._commands, deque()
-                    stopping = self._stopping
-                for command in commands:
-                    command(engine)
-                if stopping:
-                    for rid in list(engine.scheduler.requests):
-                        engine.abort_request(rid)
-                outputs = engine.step()
-                self._stats = engine.stats()
-                self._deliver(outputs, engine.take_kv_progress(), step=True)
-                if stopping:
-                    self._close("the engine was shut down")
-                    return
+            self._steps(engine)
         except BaseException as exc:  # noqa: BLE001 - any failure must reach the consumers
-            log.exception("engine thread died")
-            error = f"engine failed: {exc!r}"
-            self._deliver(engine.fail_all(error))
-            self._close(error)
+            self._fail(engine, exc)
+        finally:
+            if self.state is EngineState.RUNNING:  # only if the failure handling itself broke
+                self._close(EngineState.FAILED, "the engine thread ended unexpectedly")
 
-    def _close(self, error: str) -> None:
+    def _steps(self, engine: LLMEngine) -> None:
+        """Run commands and steps until shut down; whatever raises ends the thread."""
+        while True:
+            with self._cond:
+                if not self._commands and not self._stopping and not engine.has_work():
+                    self._cond.wait(_IDLE_WAIT_S)
+                commands, self._commands = self._commands, deque()
+                stopping = self._stopping
+            for command in commands:
+                command(engine)
+            if stopping:
+                for rid in list(engine.scheduler.requests):
+                    engine.abort_request(rid)
+            outputs = engine.step()
+            self._stats = engine.stats()
+            self._deliver(outputs, engine.take_kv_progress(), step=True)
+            if stopping:
+                self._close(EngineState.STOPPED, "the engine was shut down")
+                return
+
+    def _fail(self, engine: LLMEngine, exc: BaseException) -> None:
+        """Log the traceback (logging never raises), release everyone (state, waiting
+        streams, listeners), and only then let the engine finish its requests: that last
+        part runs the very code that just failed."""
+        error = f"engine failed: {exc!r}"
+        log.error("engine thread died; every request of this engine fails", exc_info=exc)
+        self._close(EngineState.FAILED, error)
+        try:
+            self._deliver(engine.fail_all(error))  # frees blocks; partial outputs, if it can
+        except BaseException as again:  # noqa: BLE001 - the streams already got their errors
+            log.warning("finishing the failed engine's requests raised too: %r", again)
+
+    def _close(self, state: EngineState, error: str) -> None:
         """Refuse further commands; whatever still waits on the engine gets `error`."""
         with self._cond:  # no command gets in after this; queued ones never run
-            self.healthy = False
+            self.state = state
+            self.failure = error if state is EngineState.FAILED else None
             self._commands.clear()
-        self._fail_orphans(error)
+        self._post(self._fail_waiting, error, state is EngineState.FAILED)
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run fn(*args) on the event loop (dropped if the loop is closed: nobody listens)."""
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:
+                pass
 
     def _deliver(self, outputs: list[RequestOutput], progress: list[KVProgress] | None = None,
                  step: bool = False) -> None:
         """Hand one step's results to the loop (one call); `step` also runs step listeners."""
-        if (outputs or progress or step) and self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._put, outputs, progress or [], step)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
+        if outputs or progress or step:
+            self._post(self._put, outputs, progress or [], step)
 
     def _put(self, outputs: list[RequestOutput], progress: list[KVProgress], step: bool) -> None:
         # Progress first: a listener sees a request's blocks before its final output.
@@ -157,24 +200,23 @@ class AsyncEngine:
         for fn in self._step_listeners if step else ():
             _call_listener(fn)
 
-    def _fail_orphans(self, error: str) -> None:
-        """Error outputs for streams whose request never reached the engine, and
-        EngineDeadError for call_in_engine callers whose command will never run."""
-        def fail() -> None:
-            for rid, queue in list(self._queues.items()):
-                queue.put_nowait(_error_output(rid, error))
-            for future in list(self._waiters):
-                _settle(future, None, EngineDeadError(error))
-        if self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(fail)
-            except RuntimeError:
-                pass
+    def _fail_waiting(self, error: str, failed: bool) -> None:
+        """On the loop: an ERROR output for every open stream (a consumer stops at its first
+        finished output, so one that already got its own final output ignores this one),
+        EngineDeadError for call_in_engine callers, then the failure listeners."""
+        for rid, queue in list(self._queues.items()):
+            queue.put_nowait(_error_output(rid, error))
+        for future in list(self._waiters):
+            _settle(future, None, EngineDeadError(error))
+        if failed and not self._failure_told:
+            self._failure_told = True
+            for fn in list(self._failure_listeners):
+                _call_listener(fn, error)
 
     def _submit(self, command: Callable[[LLMEngine], Any]) -> None:
         with self._cond:
             if not self.healthy or self._thread is None:
-                raise EngineDeadError("the engine is not running")
+                raise EngineDeadError(f"the engine is not running ({self.failure or self.state})")
             self._commands.append(command)
             self._cond.notify()
 
@@ -185,6 +227,15 @@ class AsyncEngine:
         with a KV progress tracker do; for others the listener is dropped and the KV goes
         out once the prompt finished."""
         return self.engine is not None and self.engine.kv_stream is not None
+
+    def add_failure_listener(self, fn: Callable[[str], None]) -> None:
+        """Call `fn(reason)` on the event loop once, when the engine fails (not on shutdown);
+        at once (soon) if it already has."""
+        if self._failure_told:
+            assert self._loop is not None and self.failure is not None
+            self._loop.call_soon(_call_listener, fn, self.failure)
+        else:
+            self._failure_listeners.append(fn)
 
     def add_step_listener(self, fn: Callable[[], None]) -> Callable[[], None]:
         """Call `fn()` on the event loop after every engine step; returns the remover."""

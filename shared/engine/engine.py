@@ -28,6 +28,7 @@ from shared.model.quant import QuantConfig, QuantMethod
 from shared.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+NON_FINITE_LOGITS = "the model produced NaN or infinite logits for this request"
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,9 @@ class LLMEngine:
         if batch.is_empty:
             return outputs
         result = self.runner.execute(batch)
+        for i in result.non_finite:  # that request fails (before its blocks get cached)
+            self.abort_request(batch.requests[i].request_id, RequestStatus.FINISHED_ERROR,
+                               NON_FINITE_LOGITS)
         for req in self.scheduler.update_from_output(batch, result.sampled_token_ids,
                                                      result.logprobs):
             outputs.append(self.output_processor.process(req))

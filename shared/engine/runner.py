@@ -9,6 +9,7 @@ over every layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,10 +59,13 @@ class KVGeometry:
 @dataclass(frozen=True)
 class RunnerOutput:
     """Per request of the batch (same order): the sampled token, or None for a prefill chunk
-    that did not reach the end of the prompt; logprobs likewise (None when not asked)."""
+    that did not reach the end of the prompt; logprobs likewise (None when not asked).
+    `non_finite` lists the batch indices whose logits held NaN or inf: they got no token, and
+    the engine fails those requests (and only those)."""
 
     sampled_token_ids: list[int | None]
     logprobs: list[TokenLogprob | None]
+    non_finite: tuple[int, ...] = ()
 
 
 class ModelRunner:
@@ -80,9 +84,15 @@ class ModelRunner:
             geometry.num_layers, 2, self.num_blocks, geometry.block_size,
             geometry.num_kv_heads, geometry.head_dim, dtype=geometry.dtype)
         self.sampler = Sampler(config.seed)
+        # Test-only: when set, called with every batch before its forward, on the engine
+        # thread. What it raises escapes the engine step exactly as a model failure would, so
+        # tests can inject one without patching internals. Always None in production.
+        self.fault_hook: Callable[[ScheduledBatch], None] | None = None
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        if self.fault_hook is not None:
+            self.fault_hook(batch)
         reqs, computed, sched = batch.requests, batch.num_computed_tokens, batch.num_scheduled_tokens
         ids: list[int] = []
         pos: list[int] = []
@@ -101,10 +111,18 @@ class ModelRunner:
             return RunnerOutput(tokens, logprobs)
         last = (ends - 1)[rows] if len(rows) < len(reqs) else ends - 1
         logits = self.model.compute_logits(hidden[last])  # [R, V] fp32
+        # NaN/inf logits (broken weights, an overflow) have no distribution to sample from:
+        # those rows are sampled from zeros to keep the batch's tensors finite, and dropped.
+        bad = (~torch.isfinite(logits)).any(dim=1)  # [R] bool
+        bad_rows = bad.nonzero()[:, 0].tolist() if bool(bad.any()) else []
+        if bad_rows:
+            logits = logits.masked_fill(bad[:, None], 0.0)
         out = self.sampler(logits, SamplingTensors.from_requests([reqs[i] for i in rows],
                                                                   logits.shape[1]))
         for j, i in enumerate(rows):
             tokens[i] = out.token_ids[j]
             if out.logprobs is not None:
                 logprobs[i] = out.logprobs[j]
-        return RunnerOutput(tokens, logprobs)
+        for j in bad_rows:
+            tokens[rows[j]] = logprobs[rows[j]] = None
+        return RunnerOutput(tokens, logprobs, tuple(rows[j] for j in bad_rows))

@@ -39,7 +39,11 @@ class ModelSpec:
 
     rope_type is default | linear | dynamic | llama3; rope_keys picks the config generation:
     `legacy` (rope_theta + rope_scaling) or `v5` (rope_parameters). num_shards > 1 writes
-    sharded safetensors plus model.safetensors.index.json.
+    sharded safetensors plus model.safetensors.index.json. vocab_size is the number of
+    embedding / LM-head rows (None: the tokenizer's 49152); more rows than tokens is the
+    padded-vocab layout (Qwen2.5: 151,936 rows for 151,665 tokens). padding_head_scale
+    multiplies the untied LM head's rows past the tokenizer, so that a greedy model emits
+    ids the tokenizer cannot spell (tests of that case).
     """
 
     arch: str = "llama"
@@ -57,6 +61,8 @@ class ModelSpec:
     rope_keys: str = "legacy"
     num_shards: int = 1
     dtype: str = "float32"
+    vocab_size: int | None = None
+    padding_head_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.arch not in _ARCH_BY_NAME:
@@ -71,6 +77,17 @@ class ModelSpec:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.num_shards < 1:
             raise ValueError("num_shards must be >= 1")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+        if self.padding_head_scale != 1.0 and (self.tie_word_embeddings
+                                               or self.rows <= VOCAB_SIZE):
+            raise ValueError("padding_head_scale needs an untied LM head with vocab_size > "
+                             f"{VOCAB_SIZE} (rows past the tokenizer)")
+
+    @property
+    def rows(self) -> int:
+        """Embedding / LM-head rows."""
+        return self.vocab_size or VOCAB_SIZE
 
 
 def hf_config(spec: ModelSpec) -> dict[str, Any]:
@@ -81,7 +98,7 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "architectures": [_ARCH_BY_NAME[spec.arch]],
         "model_type": spec.arch,
-        "vocab_size": VOCAB_SIZE,
+        "vocab_size": spec.rows,
         **geometry,
         "head_dim": spec.head_dim or geometry["hidden_size"] // geometry["num_attention_heads"],
         "hidden_act": "silu",
@@ -129,7 +146,8 @@ def random_weights(spec: ModelSpec, cfg: dict[str, Any]) -> dict[str, torch.Tens
     def proj(out_f: int, in_f: int) -> torch.Tensor:
         return normal(out_f, in_f, std=in_f ** -0.5)
 
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(VOCAB_SIZE, hidden, std=1.0)}
+    rows = spec.rows
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(rows, hidden, std=1.0)}
     qkv_bias = spec.arch == "qwen2" or (spec.arch == "llama" and spec.attention_bias)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -147,7 +165,8 @@ def random_weights(spec: ModelSpec, cfg: dict[str, Any]) -> dict[str, torch.Tens
         w[p + "mlp.down_proj.weight"] = proj(hidden, inter)
     w["model.norm.weight"] = 1.0 + normal(hidden, std=0.1)
     if not cfg["tie_word_embeddings"]:
-        w["lm_head.weight"] = proj(VOCAB_SIZE, hidden)
+        w["lm_head.weight"] = proj(rows, hidden)
+        w["lm_head.weight"][VOCAB_SIZE:] *= spec.padding_head_scale
     dtype = torch.float32 if spec.dtype == "float32" else torch.bfloat16
     return {k: v.to(dtype).contiguous() for k, v in w.items()}
 

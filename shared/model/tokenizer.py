@@ -111,11 +111,16 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`. An id the tokenizer cannot spell (>= vocab_size: the padding rows of
+        a model whose embedding has more rows than the tokenizer has tokens, e.g. Qwen2.5's
+        151,936 rows for 151,665 tokens) decodes to "", as in HF transformers; a negative id
+        is no token id at all and raises ValueError."""
         ids = list(ids)
+        if any(i < 0 for i in ids):
+            raise ValueError("token ids must be >= 0")
         vocab = self.vocab_size
-        if any(not 0 <= i < vocab for i in ids):
-            raise ValueError(f"token ids must be in [0, {vocab})")
-        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        known = [i for i in ids if i < vocab]
+        return self.backend.decode(known, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of an id (byte-level spelling, e.g. "Ġthe"); None if unknown."""

@@ -71,6 +71,23 @@ def test_special_tokens(tok: Tokenizer, skip: bool) -> None:
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip)
 
 
+@pytest.mark.parametrize("stop", [None, "Observation:"])
+def test_ids_past_the_tokenizer_stream_as_nothing(tok: Tokenizer, stop: str | None) -> None:
+    """A padded-vocab model's ids past the tokenizer, anywhere (even between the bytes of one
+    character, or inside a stop string), add no text and never raise."""
+    text = "Hello 🤗 wörld. Observation: the sky"
+    known = tok.encode(text, add_special_tokens=False)
+    rng = random.Random(1)
+    mixed: list[int] = []
+    for i in known:
+        mixed += [tok.vocab_size + rng.randrange(64) for _ in range(rng.randint(0, 2))] + [i]
+    assert len(mixed) > len(known)  # precondition: unknown ids were mixed in
+    stops = [stop] if stop else []
+    got = "".join(stream(IncrementalDetokenizer(tok, stop=stops), mixed))
+    want = "".join(stream(IncrementalDetokenizer(tok, stop=stops), known))
+    assert got == want == (text.split(stop)[0] if stop else text)
+
+
 def test_incomplete_character_flushed_at_finish(tok: Tokenizer) -> None:
     ids = tok.encode("ok 🤗", add_special_tokens=False)[:-1]  # drop the emoji's last byte token
     detok = IncrementalDetokenizer(tok)

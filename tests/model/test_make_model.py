@@ -67,6 +67,24 @@ def test_flags_shape_the_config(tmp_path: Path, tokenizer_dir: Path) -> None:
     assert cfg.rope.type is RopeType.LLAMA3 and cfg.rope.factor == 8.0
 
 
+def test_padded_vocabulary(tmp_path: Path, tokenizer_dir: Path, capsys) -> None:
+    """More rows than tokenizer tokens; the scale applies to the LM head's padding rows only."""
+    from safetensors.torch import load_file
+
+    rows = VOCAB_SIZE + 64
+    plain, padded = tmp_path / "plain", tmp_path / "padded"
+    assert make(plain, tokenizer_dir, "--untied", "--vocab-size", str(rows)) == 0
+    assert make(padded, tokenizer_dir, "--untied", "--vocab-size", str(rows),
+                "--padding-head-scale", "2") == 0
+    assert AutoConfig.from_pretrained(padded).vocab_size == rows
+    a, b = load_file(plain / "model.safetensors"), load_file(padded / "model.safetensors")
+    assert a["model.embed_tokens.weight"].shape == (rows, 64)
+    assert b["lm_head.weight"][:VOCAB_SIZE].equal(a["lm_head.weight"][:VOCAB_SIZE])
+    assert b["lm_head.weight"][VOCAB_SIZE:].equal(2 * a["lm_head.weight"][VOCAB_SIZE:])
+    assert make(tmp_path / "bad", tokenizer_dir, "--padding-head-scale", "2") == 2
+    assert "padding_head_scale" in capsys.readouterr().err
+
+
 def test_bad_spec_exits_nonzero(tmp_path: Path, tokenizer_dir: Path, capsys) -> None:
     assert make(tmp_path / "m", tokenizer_dir, "--num-shards", "0") == 2
     assert "num_shards" in capsys.readouterr().err

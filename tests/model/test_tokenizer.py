@@ -131,9 +131,24 @@ def test_special_tokens(tok: Tokenizer, reader: GGUFReader) -> None:
     assert tok.decode(ids, skip_special_tokens=True) == "user\nHi"
 
 
-def test_decode_rejects_out_of_range_ids(tok: Tokenizer) -> None:
+@pytest.mark.parametrize("skip", [True, False])
+def test_ids_past_the_tokenizer_decode_to_nothing_as_in_transformers(
+        tok: Tokenizer, hf_tok: object, skip: bool) -> None:
+    """A padded-vocab model (more embedding rows than tokens) can emit ids the tokenizer has
+    no spelling for: they decode to "" (HF transformers' behaviour), never raise."""
+    known = tok.encode("<|im_start|>Hello wörld 🤗", add_special_tokens=False)
+    past = [tok.vocab_size, tok.vocab_size + 63, 2**40]
+    mixed = [past[0], *known[:3], past[1], *known[3:], past[2]]
+    assert tok.decode(mixed, skip_special_tokens=skip) == tok.decode(known, skip_special_tokens=skip)
+    hf_ids = [i for i in mixed if i < 2**31]  # transformers takes C ints
+    assert tok.decode(mixed, skip_special_tokens=skip) == hf_tok.decode(  # type: ignore[attr-defined]
+        hf_ids, skip_special_tokens=skip)
+    assert tok.decode(past) == ""
+
+
+def test_decode_rejects_negative_ids(tok: Tokenizer) -> None:
     with pytest.raises(ValueError):
-        tok.decode([tok.vocab_size])
+        tok.decode([5, -1])
 
 
 @pytest.mark.slow

@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from pd_harness import free_port
+
+from services.router.supervisor import RestartPolicy
 
 FAKE_SERVE = Path(__file__).with_name("fake_serve.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,3 +114,80 @@ def test_up_fails_fast_when_a_worker_cannot_start():
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "exited with 3" in proc.stdout
+
+
+def test_restart_backoff_doubles_up_to_its_cap():
+    policy = RestartPolicy(initial_s=0.5, max_s=3.0)
+    assert [policy.delay(n) for n in range(1, 7)] == [0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
+    with pytest.raises(ValueError):
+        RestartPolicy(initial_s=2.0, max_s=1.0)
+
+
+class Lines:
+    """The rest of a process's output, read on a thread so every wait is bounded."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self._queue: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self._queue.put(line.rstrip())
+
+    def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._queue.get(timeout=left)
+            except queue.Empty:
+                break
+            self.seen.append(line)
+            if (match := re.search(pattern, line)) is not None:
+                return match
+        raise AssertionError(f"no line matching {pattern!r}:\n" + "\n".join(self.seen[-40:]))
+
+
+def _wait_http_ok(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"{url} never answered 200"
+        time.sleep(0.1)
+
+
+def test_up_restarts_a_child_that_exits_with_backoff():
+    """A worker killed twice is started again each time (same argv), after 0.2 s then 0.4 s,
+    and says so; the mesh serves through the restarted worker, and stops clean."""
+    port = free_port()
+    proc, lines = _start_up(port, *FAKE_UP, "--restart-delay", "0.2", "--restart-max-delay", "5")
+    out = Lines(proc)
+    pids = _child_pids(lines)
+    try:
+        (decode,) = [line for line in lines if "[up] started decode-1" in line]
+        decode_pid = int(decode.split("(pid ")[1].split(")")[0])
+        decode_port = decode.split("--port ")[1].split()[0]
+        for attempt, delay in ((1, "0.2"), (2, "0.4")):
+            killed = decode_pid
+            os.killpg(killed, signal.SIGKILL)
+            out.wait_for(rf"\[up\] decode-1 exited with -9 after [0-9.]+s; restarting in "
+                         rf"{delay}s \(restart {attempt} in a row\)")
+            decode_pid = int(out.wait_for(r"\[up\] started decode-1 \(pid (\d+)\)").group(1))
+            assert not _alive(killed) and decode_pid not in pids
+            pids.append(decode_pid)
+        _wait_http_ok(f"http://127.0.0.1:{decode_port}/health")
+        for i in range(3):  # the router uses the restarted worker again
+            assert len(_chat(port, f"after restart {i}", 3, "fake-model").split()) == 3
+    except BaseException:
+        proc.kill()
+        raise
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    for pid in pids:
+        assert not _alive(pid), f"child {pid} outlived pdmesh up"

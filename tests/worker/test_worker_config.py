@@ -49,6 +49,13 @@ def test_defaults() -> None:
     assert c.api_keys == ()
 
 
+def test_engine_failure_drain_flag() -> None:
+    assert parse([]).engine_failure_drain_seconds == WorkerConfig().engine_failure_drain_seconds
+    assert parse(["--engine-failure-drain-seconds", "0.5"]).engine_failure_drain_seconds == 0.5
+    with pytest.raises(ValueError, match="engine_failure_drain_seconds"):
+        parse(["--engine-failure-drain-seconds", "-1"])
+
+
 def test_api_keys_flags_win_over_env() -> None:
     assert parse([], {"PDMESH_API_KEY": "x, y,"}).api_keys == ("x", "y")
     assert parse(["--api-key", "a", "--api-key", "b"], {"PDMESH_API_KEY": "x"}).api_keys == ("a", "b")

@@ -94,6 +94,7 @@ class FakeEngine:
     engine_id: str = "fake-engine-0"
     fingerprint: str = "f" * 64
     healthy: bool = True
+    failure: str | None = None
     started: bool = False
     blocks: dict[str, int] = field(default_factory=dict)
     aborted: set[str] = field(default_factory=set)
@@ -105,6 +106,10 @@ class FakeEngine:
 
     async def start(self) -> None:
         self.started = True
+
+    def add_failure_listener(self, fn: Any) -> None:
+        """The fake never fails as a whole (the real engine's failure path is tested with
+        the real engine); the worker still subscribes."""
 
     async def shutdown(self) -> None:
         self.started = False

@@ -1,0 +1,90 @@
+"""A worker whose engine failed answers 503 `engine_failed` on /v1/metadata (what the router's
+health checker reads), so the router's next health round marks it unhealthy and every request
+goes to the other worker: two real workers (tiny model) in process, one with a failure
+injected through the runner's test-only fault_hook."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from services.router.app import create_app as create_router
+from services.router.config import RouterConfig
+from services.router.phases import PHASES_HEADER
+from services.router.state import STATE_KEY
+from services.worker.app import create_app as create_worker
+from services.worker.config import WorkerConfig
+from services.worker.routes import RUNTIME_KEY
+from shared.config import EngineConfig
+
+BOUND_S = 60.0
+BODY = {"model": "tiny", "prompt": "route me", "max_tokens": 4, "temperature": 0}
+
+
+async def wait_status(client: TestClient, path: str, status: int) -> None:
+    for _ in range(int(BOUND_S / 0.05)):
+        if (await client.get(path)).status == status:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{path} never answered {status}")
+
+
+@pytest.fixture
+async def workers(make_checkpoint) -> AsyncIterator[list[TestClient]]:
+    engine = EngineConfig(model=str(make_checkpoint(preset="tiny", seed=0)), dtype="float32",
+                          kv_cache_memory_bytes=8 << 20, num_threads=1, max_model_len=256)
+    clients = []
+    for _ in range(2):
+        app = create_worker(WorkerConfig(engine=engine, served_model_names=("tiny",)))
+        client = TestClient(TestServer(app, host="127.0.0.1"))
+        await client.start_server()
+        clients.append(client)
+    for client in clients:
+        await wait_status(client, "/health", 200)
+    yield clients
+    for client in clients:
+        await client.close()
+
+
+async def test_router_marks_a_failed_worker_unhealthy_in_one_round(workers) -> None:
+    failing, healthy = workers
+    urls = tuple(str(w.make_url("")).rstrip("/") for w in workers)
+    # One round at start-up, then none on its own during the test: the round below is the
+    # "next health interval" after the failure.
+    config = RouterConfig(mixed_urls=urls, health_interval_s=3600.0, health_timeout_s=5.0)
+    async with TestClient(TestServer(create_router(config), host="127.0.0.1")) as router:
+        await wait_status(router, "/health", 200)
+        ids = {w["url"]: w["id"] for w in (await (await router.get("/v1/router/metadata"))
+                                           .json())["workers"]}
+        served = set()
+        for _ in range(4):  # precondition: the router does send work to the first worker
+            resp = await asyncio.wait_for(router.post("/v1/completions", json=BODY), BOUND_S)
+            served.add(json.loads(resp.headers[PHASES_HEADER])["decode_worker"])
+        assert ids[urls[0]] in served
+
+        def boom(batch) -> None:
+            raise RuntimeError("injected step failure")
+
+        failing.app[RUNTIME_KEY].engine.engine.runner.fault_hook = boom
+        resp = await asyncio.wait_for(failing.post("/v1/completions", json=BODY), BOUND_S)
+        assert resp.status == 500 and (await resp.json())["error"]["code"] == "engine_failed"
+
+        await router.app[STATE_KEY].rt.checker.check_all()  # one health round
+        doc = await (await router.get("/v1/router/metadata")).json()
+        by_url = {w["url"]: w for w in doc["workers"]}
+        dead, alive = by_url[urls[0]], by_url[urls[1]]
+        assert dead["health"] == "unhealthy" and "503" in dead["reason"]
+        assert "engine failed" in dead["reason"]
+        assert alive["health"] == "healthy"
+
+        for _ in range(6):
+            resp = await asyncio.wait_for(router.post("/v1/completions", json=BODY), BOUND_S)
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["usage"]["completion_tokens"] == 4
+            phases = json.loads(resp.headers[PHASES_HEADER])
+            assert phases["decode_worker"] == alive["id"]
+            assert phases["attempts"] == 1  # never tried the failed worker first
