@@ -8,10 +8,10 @@
 // two tiers agree to within fp32 summation error, not bit for bit. Each item is computed by one
 // thread whatever the split, so the thread count never changes a result.
 // Any head_dim (even) and G <= 16: the kernel is instantiated per G so the G accumulators live
-// in registers.
+// in registers. No std:: templates here: an out-of-line copy compiled for AVX2 could be merged
+// by the linker into a baseline TU (see dense.h).
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -34,7 +34,7 @@ void key_offsets(const StepArgs& s, const CacheArgs& c, int64_t b, int64_t L, in
   const int64_t row = c.num_kv_heads * c.head_dim;
   for (int64_t j0 = 0, bi = 0; j0 < L; j0 += s.block_size, ++bi) {
     const int64_t base = int64_t{s.block_tables[b * s.max_blocks + bi]} * s.block_size * row;
-    const int64_t n = std::min(s.block_size, L - j0);
+    const int64_t n = L - j0 < s.block_size ? L - j0 : s.block_size;
     for (int64_t o = 0; o < n; ++o) off[j0 + o] = base + o * row;
   }
 }
@@ -49,9 +49,10 @@ inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 float softmax_numerator(float* sc, int64_t L) {
   __m256 mx = _mm256_set1_ps(-INFINITY);
   for (int64_t j = 0; j < L; j += 8) mx = _mm256_max_ps(mx, load_f32_8(sc + j, L - j, -INFINITY));
-  alignas(16) float m4[4];
-  _mm_store_ps(m4, _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1)));
-  const __m256 m = _mm256_set1_ps(std::max(std::max(m4[0], m4[1]), std::max(m4[2], m4[3])));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const __m256 m = _mm256_broadcastss_ps(m4);
   __m256 sum = _mm256_setzero_ps();
   for (int64_t j = 0; j < L; j += 8) {
     const int64_t left = L - j;

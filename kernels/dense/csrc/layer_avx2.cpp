@@ -5,7 +5,6 @@
 // in _mm512_reduce_add_ps's order.
 #include <immintrin.h>
 
-#include <cmath>
 #include <cstring>
 
 #include "layer.h"
@@ -48,7 +47,7 @@ void rms_norm_avx2(const uint16_t* x, const uint16_t* w, int64_t n, float eps, u
       lo = _mm256_fmadd_ps(a, a, lo);
       hi = _mm256_fmadd_ps(b, b, hi);
     }
-    const float inv = 1.0f / std::sqrt(reduce16_add(lo, hi) / static_cast<float>(n) + eps);
+    const float inv = 1.0f / __builtin_sqrtf(reduce16_add(lo, hi) / static_cast<float>(n) + eps);
     const __m256 iv = _mm256_set1_ps(inv);
     for (int64_t i = 0; i < n; i += 8) {
       const int64_t left = n - i;
