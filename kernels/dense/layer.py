@@ -13,10 +13,11 @@ attention, o projection + residual, RMSNorm, gate/up projection, SiLU * up, down
 residual. A dense projection of up to 32 rows runs the dense GEMV, a larger one (prefill) torch's
 bf16 GEMM, as DenseLinear does; an MXFP4 projection runs kernels.mxfp4's fused kernel on the
 packed bytes (its code path of the same tier), as MXFP4Linear does for decode rows. Every op
-runs the kernels of path's tier (avx512_bf16, avx512 or avx2). Numerics follow HF in bf16 (fp32 math, bf16
-rounding after each op, attention in fp32), so the plain-torch layer in shared/model/llama.py
-is the oracle (tests/kernels/test_dense_layer.py). The elementwise ops (rms_norm, add_rms_norm,
-silu_mul, add_) serve callers that run the projections themselves (an MXFP4 prefill).
+runs the kernels of path's tier (avx512_bf16, avx512 or avx2). Numerics follow HF in bf16
+(fp32 math, bf16 rounding after each op, attention in fp32), so the plain-torch layer in
+shared/model/llama.py is the oracle (tests/kernels/test_dense_layer.py). The elementwise ops
+(rms_norm, add_rms_norm, silu_mul, add_) serve callers that run the projections themselves (an
+MXFP4 prefill).
 Everything here is bf16-only: the model, the cache and the cos/sin table.
 """
 
