@@ -1,7 +1,23 @@
 """The native fused decoder layer and paged attention (kernels/dense/layer.py) against the
-plain-torch model code they replace: RoPE + paged_attention (shared/model), and whole
-LlamaForCausalLM steps with and without use_native, over mixed prefill/decode batches of
-sequences of different lengths in shuffled cache blocks."""
+plain-torch model code they replace: the elementwise ops, RoPE + paged_attention (shared/model),
+and whole LlamaForCausalLM steps with and without use_native, over mixed prefill/decode batches
+of sequences of different lengths in shuffled cache blocks. Every compiled tier runs every test
+(or skips because this CPU cannot execute it).
+
+What equality means, per op (the same on every tier):
+- add_, RoPE and the K/V cache writes: bit-exact against torch (fp32 math, one bf16 rounding
+  per op, exactly as torch's bf16 ops round).
+- rms_norm, silu_mul: within 2 bf16 ulps (relative 2^-7) of the plain-torch model's ops, and
+  nearly all elements bit-equal. They differ from torch only in a reduction order (the sum of
+  squares) or the exp approximation (relative error < 2e-7), which can flip a bf16 rounding.
+- Across tiers: all elementwise ops and the cache writes are bit-identical (the AVX2 kernels
+  compute the AVX-512 ones' operations in the same order); attention agrees within the bound
+  below (8- vs 16-lane dot products).
+- Attention: fp32 on both sides; within rtol 2^-7, atol 1e-3 of torch's paged_attention.
+- Whole models: logits no further from the fp32 model than the plain bf16 path (x 1.25), and
+  the same greedy tokens; the stacked call equals the per-layer calls bit for bit; 1 and 2
+  threads give identical logits (outputs are split across threads, never a sum).
+"""
 
 from __future__ import annotations
 
@@ -10,13 +26,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from dense_helpers import DENSE_TIERS, dense_or_skip
 
 import kernels.dense as dense
+from kernels import mxfp4
 from kernels.dense import LayerGeometry, NativeDecoder, Projection, StepTables
 from shared.model.attention import AttentionMetadata, paged_attention
-from shared.model.llama import LlamaForCausalLM
+from shared.model.llama import LlamaForCausalLM, RMSNorm
 from shared.model.loader import load_model
 from shared.model.make_model import ModelSpec, write_checkpoint
+from shared.model.quant import QuantConfig
 from shared.model.rope import RopeConfig, RotaryEmbedding
 
 BLOCK, NUM_BLOCKS = 4, 160
@@ -28,16 +47,23 @@ BATCHES = {
 }
 
 
-@pytest.fixture(scope="module", params=("avx512_bf16", "avx512_fma"))
+@pytest.fixture(scope="module", params=DENSE_TIERS)
 def native(request: pytest.FixtureRequest) -> NativeDecoder:
-    """The ops on one GEMV backend. A failed build fails; only a CPU lacking it skips."""
-    info = dense.build_info()
-    assert info.state == "ready", f"dense build failed: {info.error}"
-    if request.param not in info.available:
-        pytest.skip(f"this CPU cannot run {request.param}")
-    decoder = dense.decoder(request.param)
+    """The ops of one tier. A failed build fails; only a CPU lacking the tier skips."""
+    decoder = dense.decoder(dense_or_skip(request.param).backend)
     assert decoder is not None
     return decoder
+
+
+def _mxfp4_backend(native: NativeDecoder) -> str:
+    """The kernels.mxfp4 backend on the code path native's fused layer calls for MXFP4
+    projections (its tier's), so that MXFP4Linear and the fused block run the same kernel."""
+    for backend in mxfp4.available_backends():
+        b = mxfp4.Backend(backend)
+        if b is not mxfp4.Backend.REFERENCE and b.path_id == native.mxfp4_path:
+            return backend
+    pytest.skip(f"the loaded mxfp4 library does not report code path {native.mxfp4_path} "
+                f"({native.path.backend}); available: {mxfp4.available_backends()}")
 
 
 def _meta(computed: list[int], sched: list[int], seed: int) -> AttentionMetadata:
@@ -83,10 +109,77 @@ def test_rope_attention_matches_torch(native: NativeDecoder, batch: str, heads: 
     out = native.rope_attention(qkv, cache, rotary.table(max(c + s for c, s in
                                                              zip(computed, sched, strict=True))),
                                 _tables(meta), geometry)
+    assert out.shape == (t, heads * head_dim)
     # RoPE rounds to bf16 after every op exactly as torch does: the written K/V are identical.
     assert torch.equal(cache, ref_cache)
     # fp32 attention both sides; only summation order differs before the final bf16 rounding.
     torch.testing.assert_close(out.float(), ref.reshape(t, -1).float(), rtol=2**-7, atol=1e-3)
+
+
+def _bf16(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+
+def _within_bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> None:
+    """got within 2 bf16 ulps (relative 2^-7) of want everywhere, and bit-equal almost everywhere
+    (a flipped rounding is rare)."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    err = (got.double() - want.double()).abs()
+    assert (err <= 2.0**-7 * want.double().abs()).all()
+    assert torch.eq(got, want).double().mean() >= 0.98
+
+
+# (rows, width): one row, a partial 8/16-lane tail, SmolLM2's hidden and intermediate sizes.
+ELEMENTWISE_SHAPES = [(1, 576), (3, 37), (7, 1536), (20, 200)]
+
+
+@pytest.mark.parametrize(("rows", "n"), ELEMENTWISE_SHAPES)
+def test_elementwise_ops_match_torch(native: NativeDecoder, rows: int, n: int) -> None:
+    h, y = _bf16(rows, n, seed=n), _bf16(rows, n, seed=n + 1, scale=0.3)
+    norm = RMSNorm(n, 1e-5, torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(_bf16(n, seed=n + 2) + 1)
+    w = norm.weight.detach()
+
+    summed = h.clone()
+    native.add_(summed, y)
+    assert torch.equal(summed, h + y)  # bit-exact: one fp32 add, one RNE rounding
+    with torch.no_grad():
+        _within_bf16_ulps(native.rms_norm(h, w, 1e-5), norm(h))
+        fused = h.clone()
+        _within_bf16_ulps(native.add_rms_norm(fused, y, w, 1e-5), norm(h + y))
+    assert torch.equal(fused, h + y)
+    gu = _bf16(rows, 2 * n, seed=n + 3, scale=3.0)
+    gate, up = gu[:, :n], gu[:, n:]
+    _within_bf16_ulps(native.silu_mul(gu), torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("other", [t for t in DENSE_TIERS if t != "avx2"])
+def test_tiers_agree(other: str) -> None:
+    """Elementwise ops and the cache writes: bit-identical across tiers. Attention: both within
+    fp32 summation error of each other (8- vs 16-lane dot products)."""
+    low, high = (dense.decoder(dense_or_skip(t).backend) for t in ("avx2", other))
+    rows, n = 7, 1536
+    h, y, gu = _bf16(rows, n, seed=1), _bf16(rows, n, seed=2), _bf16(rows, 2 * n, seed=3)
+    w = _bf16(n, seed=4)
+    assert torch.equal(low.rms_norm(h, w, 1e-5), high.rms_norm(h, w, 1e-5))
+    assert torch.equal(low.silu_mul(gu), high.silu_mul(gu))
+    a, b = h.clone(), h.clone()
+    assert torch.equal(low.add_rms_norm(a, y, w, 1e-5), high.add_rms_norm(b, y, w, 1e-5))
+    assert torch.equal(a, b)
+    for heads, kv_heads, head_dim in [(9, 3, 64), (8, 2, 80), (8, 1, 128)]:
+        computed, sched = BATCHES["mixed"]
+        meta = _meta(computed, sched, seed=heads)
+        t = sum(sched)
+        qkv = _bf16(t, (heads + 2 * kv_heads) * head_dim, seed=heads)
+        caches = [_bf16(2, NUM_BLOCKS, BLOCK, kv_heads, head_dim, seed=5) for _ in range(2)]
+        table = RotaryEmbedding(RopeConfig(), head_dim, 2048, torch.bfloat16).table(64)
+        geometry = LayerGeometry(heads, kv_heads, head_dim, 1e-5, head_dim ** -0.5)
+        outs = [d.rope_attention(qkv, c, table, _tables(meta), geometry)
+                for d, c in zip((low, high), caches, strict=True)]
+        assert torch.equal(caches[0], caches[1])
+        torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=2**-7, atol=1e-3)
 
 
 def test_bad_block_table_raises(native: NativeDecoder) -> None:
@@ -156,6 +249,30 @@ def test_per_layer_calls_equal_the_stacked_call(native: NativeDecoder,
     assert torch.equal(_run(model, STEPS), stacked)
 
 
+# Decode-sized steps only (every projection on the dense GEMV; torch's prefill GEMM is not ours
+# to vouch for): a 24-row first step, then decode and a mixed step.
+SMALL_STEPS = [([0, 0, 0], [12, 3, 9]), ([12, 3, 9], [1, 1, 1]), ([13, 4, 10], [1, 6, 1])]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_threads_do_not_change_results(native: NativeDecoder, arch: str,
+                                       tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The fused stack splits outputs (GEMV columns, norm rows, attention items) across
+    threads, never a sum: 1 and 2 threads give the same logits bit for bit."""
+    model = load_model(_checkpoint(arch, tmp_path_factory.getbasetemp()), "bfloat16")[0]
+    dense.accelerate_linears(model, native.path.backend)
+    assert model.use_native(native) == model.num_local_layers
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(model, SMALL_STEPS)
+        torch.set_num_threads(2)
+        two = _run(model, SMALL_STEPS)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
 def test_use_native_refuses_fp32(native: NativeDecoder, tmp_path_factory: pytest.TempPathFactory
                                  ) -> None:
     model = load_model(_checkpoint("llama", tmp_path_factory.getbasetemp()), "float32")[0]
@@ -165,10 +282,12 @@ def test_use_native_refuses_fp32(native: NativeDecoder, tmp_path_factory: pytest
 
 def test_native_mxfp4_model_matches_plain_torch(native: NativeDecoder,
                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
-    """MXFP4 layers fuse as well, with kernels.mxfp4's fused GEMV inside the native block."""
+    """MXFP4 layers fuse as well, with kernels.mxfp4's fused GEMV (on the code path of the
+    dense tier's own tier) inside the native block."""
+    quant = QuantConfig(backend=_mxfp4_backend(native))
     ckpt = _checkpoint("llama", tmp_path_factory.getbasetemp())
-    truth = _run(load_model(ckpt, "float32", quantization="mxfp4")[0], STEPS)
-    model = load_model(ckpt, "bfloat16", quantization="mxfp4")[0]
+    truth = _run(load_model(ckpt, "float32", quantization=quant)[0], STEPS)
+    model = load_model(ckpt, "bfloat16", quantization=quant)[0]
     plain = _run(model, STEPS)
     assert model.use_native(native) == model.num_local_layers
     assert all(layer.fused is not None and layer.fused.packed for layer in model.layers)
@@ -185,14 +304,32 @@ def test_fused_mxfp4_block_equals_the_native_ops(native: NativeDecoder, arch: st
     """The fused MXFP4 stack runs exactly the kernels of the op-by-op native path (norms,
     MXFP4Linear's fused op, attention, SiLU, adds), so its decode steps are bit-identical. The
     52-row prefill step takes the op-by-op path in both runs (past FUSED_MAX_ROWS)."""
+    quant = QuantConfig(backend=_mxfp4_backend(native))
     ckpt = _checkpoint(arch, tmp_path_factory.getbasetemp())
-    model = load_model(ckpt, "bfloat16", quantization="mxfp4")[0]
-    model.use_native(native)
+    model = load_model(ckpt, "bfloat16", quantization=quant)[0]
+    assert model.use_native(native) == model.num_local_layers
     stacked = _run(model, STEPS)
     for layer in model.layers:
         layer.fused = None
     model._fused_stack = None
     assert torch.equal(_run(model, STEPS), stacked)
+
+
+def test_mxfp4_on_another_code_path_runs_the_native_ops_unfused(
+        native: NativeDecoder, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """MXFP4 linears on a code path other than the one the fused block would call (here the
+    scalar one) are not fused: the layers run the native norms, attention, SiLU and adds around
+    MXFP4Linear, as close to the fp32 model as plain torch and with its greedy tokens."""
+    quant = QuantConfig(backend="scalar")
+    ckpt = _checkpoint("llama", tmp_path_factory.getbasetemp())
+    truth = _run(load_model(ckpt, "float32", quantization=quant)[0], STEPS)
+    model = load_model(ckpt, "bfloat16", quantization=quant)[0]
+    plain = _run(model, STEPS)
+    assert model.use_native(native) == 0 and model.native is native
+    unfused = _run(model, STEPS)
+    assert (unfused - truth).abs().max() <= 1.25 * (plain - truth).abs().max()
+    assert (unfused - truth).abs().mean() <= 1.25 * (plain - truth).abs().mean()
+    assert torch.equal(unfused.argmax(-1), plain.argmax(-1))
 
 
 def test_fused_layer_rejects_a_mislabelled_projection() -> None:
