@@ -23,10 +23,10 @@ from enum import Enum
 
 import aiohttp
 
-from services.bench.config import BenchConfig, Endpoint
+from services.bench.config import BenchConfig
 from services.bench.datasets import Prompt
+from shared.protocol.pd import PHASES_HEADER, ApiKind
 
-PHASES_HEADER = "x-pdmesh-phases"
 NON_PHASE_KEYS = ("kv_bytes", "disagg_decision", "decision", "retries", "attempts", "total")
 
 
@@ -132,7 +132,7 @@ async def iter_sse(content: aiohttp.StreamReader) -> AsyncIterator[tuple[float, 
 def build_payload(config: BenchConfig, prompt: Prompt) -> dict[str, object]:
     body: dict[str, object] = {"model": config.model, "stream": True, "temperature": 0.0,
                                "stream_options": {"include_usage": True}}
-    if config.endpoint is Endpoint.CHAT:
+    if config.endpoint is ApiKind.CHAT:
         assert isinstance(prompt.prompt, str), "datasets give chat text prompts"
         body["messages"] = [{"role": "user", "content": prompt.prompt}]
         # Both spellings: vLLM and pdmesh read max_completion_tokens, older servers max_tokens.
@@ -153,7 +153,7 @@ class OpenAIClient:
         self._session = session
         self._config = config
         self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        self._chat = config.endpoint is Endpoint.CHAT
+        self._chat = config.endpoint is ApiKind.CHAT
 
     async def send(self, index: int, prompt: Prompt, run_start: float) -> RequestRecord:
         st = _Stream(sent=time.perf_counter())

@@ -11,14 +11,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from shared.protocol.pd import ApiKind
+
 GOODPUT_KEYS = ("ttft", "tpot", "e2el")
-
-
-class Endpoint(Enum):
-    """The OpenAI route the load goes to; both are streamed."""
-
-    COMPLETIONS = "/v1/completions"
-    CHAT = "/v1/chat/completions"
 
 
 class DatasetKind(Enum):
@@ -52,7 +47,7 @@ class BenchConfig:
 
     base_url: str
     model: str
-    endpoint: Endpoint = Endpoint.COMPLETIONS
+    endpoint: ApiKind = ApiKind.COMPLETIONS  # the OpenAI route the load goes to (streamed)
     dataset: DatasetSpec = field(default_factory=lambda: DatasetSpec(DatasetKind.RANDOM))
     input_len: int = 1024
     output_len: int = 128
@@ -94,14 +89,14 @@ class BenchConfig:
 
     @property
     def url(self) -> str:
-        return self.base_url.rstrip("/") + self.endpoint.value
+        return self.base_url.rstrip("/") + self.endpoint.path
 
     @property
     def wire_format(self) -> PromptFormat:
         """The resolved prompt format: never AUTO."""
         if self.prompt_format is not PromptFormat.AUTO:
             return self.prompt_format
-        return PromptFormat.IDS if self.endpoint is Endpoint.COMPLETIONS else PromptFormat.TEXT
+        return PromptFormat.IDS if self.endpoint is ApiKind.COMPLETIONS else PromptFormat.TEXT
 
 
 def parse_rate(text: str) -> float:

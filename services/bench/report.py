@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import TextIO
 
 from services.bench.client import RequestRecord
-from services.bench.config import BenchConfig, Endpoint
+from services.bench.config import BenchConfig
 from services.bench.metrics import LATENCY_METRICS, BenchResult
+from shared.protocol.pd import ApiKind
 
 SCHEMA = "pdmesh.bench.result"
 SCHEMA_VERSION = 1
@@ -30,7 +31,7 @@ def _rate(value: float) -> float | str:
 
 def config_to_json(config: BenchConfig) -> dict[str, object]:
     return {
-        "base_url": config.base_url, "endpoint": config.endpoint.value, "model": config.model,
+        "base_url": config.base_url, "endpoint": config.endpoint.path, "model": config.model,
         "dataset": config.dataset.kind.value,
         "dataset_path": str(config.dataset.path) if config.dataset.path else None,
         "input_len": config.input_len, "output_len": config.output_len,
@@ -72,7 +73,7 @@ def result_to_json(result: BenchResult, config: BenchConfig) -> dict[str, object
         "schema": SCHEMA, "version": SCHEMA_VERSION,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "partial": result.partial, "config": config_to_json(config),
-        "backend": "openai-chat" if config.endpoint is Endpoint.CHAT else "openai",
+        "backend": "openai-chat" if config.endpoint is ApiKind.CHAT else "openai",
         "model_id": config.model, "num_prompts": result.completed + result.failed
         + result.cancelled + result.not_sent,
         "request_rate": _rate(config.request_rate), "burstiness": config.burstiness,

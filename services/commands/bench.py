@@ -11,16 +11,17 @@ import json
 import sys
 from pathlib import Path
 
-# stdlib-only module: cheap enough for every `pdmesh` start (the CLI imports all commands)
 from services.bench.config import (
     BenchConfig,
-    Endpoint,
     PromptFormat,
     parse_dataset,
     parse_goodput,
     parse_percentiles,
     parse_rate,
 )
+
+# stdlib-only module: cheap enough for every `pdmesh` start (the CLI imports all commands)
+from shared.protocol.pd import ApiKind
 
 HELP = "Benchmark an OpenAI-compatible server (TTFT/TPOT/ITL/E2EL, goodput, pdmesh phases)."
 
@@ -66,7 +67,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
     return BenchConfig(
-        base_url=args.base_url, model=args.model, endpoint=Endpoint(args.endpoint),
+        base_url=args.base_url, model=args.model, endpoint=ApiKind.from_path(args.endpoint),
         dataset=parse_dataset(args.dataset), input_len=args.input_len,
         output_len=args.output_len, num_prompts=args.num_prompts, prefix_len=args.prefix_len,
         num_prefixes=args.num_prefixes, prompt_format=PromptFormat(args.prompt_format),

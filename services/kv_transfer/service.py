@@ -93,6 +93,11 @@ class KVTransferService:
             raise RuntimeError(f"this worker runs KV mode {self.transfer.mode!r}, not push")
         return self.transfer
 
+    def release_held_soon(self, request_id: str) -> None:
+        """Free the blocks the engine held for a prefill whose transfer never started, in the
+        background (failures are logged; `close` waits for it)."""
+        self.ctx.detach(self.ctx.store.release_held(request_id), "release held KV")
+
     def set_port(self, port: int) -> None:
         """Record the bound port (port 0 = ephemeral) before the service starts."""
         node = dataclasses.replace(self.ctx.identity.node, kv_port=port)

@@ -8,23 +8,21 @@ of that tensor, so one block's bytes across layers are contiguous on the wire an
 computed per block without a copy. `gather` and `scatter` each make exactly one copy.
 
 Two implementations: `InMemoryBlockStore` (the same contract without an engine: tests,
-benchmark) and `EngineBlockStore`, over a real engine, whose allocation calls hop to the
-engine thread via `call_in_engine` (between steps, so they never race the scheduler's own
-allocations). A worker builds the latter as
-    store = EngineBlockStore(async_engine, await async_engine.call_in_engine(
-        lambda e: e.runner.kv_cache))
+benchmark) and `EngineBlockStore`, over a real engine's KV connector
+(shared.engine.kv_connector), whose calls run on the engine thread between steps. A worker
+builds the latter as
+    store = EngineBlockStore(engine.kv_connector, await engine.kv_connector.cache_view())
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Protocol
 
 import torch
 
+from shared.engine.kv_connector import AsyncKVConnector, KVCacheView
 from shared.protocol.tensors import Box, dtype_name, torch_dtype
 
 
@@ -178,69 +176,23 @@ class InMemoryBlockStore:
 # ---- engine adapter ------------------------------------------------------------------
 
 
-R = TypeVar("R")
-
-
-class EngineKVHooks(Protocol):
-    """The LLMEngine surface used here (engine thread only)."""
-
-    def allocate_blocks(self, num_tokens: int) -> list[int] | None: ...
-
-    def free_blocks(self, block_ids: list[int]) -> None: ...
-
-    def release_held(self, request_id: str) -> bool: ...
-
-
-class EngineCaller(Protocol):
-    """AsyncEngine: runs `fn(engine)` on the engine thread between steps, awaitable."""
-
-    def call_in_engine(self, fn: Callable[[Any], R]) -> Awaitable[R]: ...
-
-
 class EngineBlockStore:
-    """The KVBlockStore protocol (services.kv_transfer.store) for a running engine.
+    """The KVBlockStore protocol over a running engine's KV connector (its `allocate` is
+    cancellation-safe: see AsyncKVConnector)."""
 
-    `allocate` is cancellation-safe: the engine allocates on its own thread whatever happens to
-    the caller, so blocks allocated for a caller cancelled meanwhile are freed on arrival.
-    """
-
-    def __init__(self, engine: EngineCaller, kv_cache: torch.Tensor) -> None:
-        self._engine = engine
-        self._kv = kv_cache
-        self._orphans: set[asyncio.Task] = set()
+    def __init__(self, connector: AsyncKVConnector, view: KVCacheView) -> None:
+        self._connector = connector
+        self._kv = view.kv_cache
 
     @property
     def kv_cache(self) -> torch.Tensor:
         return self._kv
 
     async def allocate(self, num_tokens: int) -> list[int] | None:
-        def hook(e: EngineKVHooks) -> list[int] | None:
-            return e.allocate_blocks(num_tokens)
-
-        call = asyncio.ensure_future(self._engine.call_in_engine(hook))
-        try:
-            return await asyncio.shield(call)
-        except asyncio.CancelledError:
-            call.add_done_callback(self._free_orphan)
-            raise
-
-    def _free_orphan(self, call: asyncio.Future[list[int] | None]) -> None:
-        if call.cancelled() or call.exception() is not None or not call.result():
-            return
-        task = asyncio.ensure_future(self.free(call.result() or []))
-        self._orphans.add(task)
-        task.add_done_callback(self._orphans.discard)
+        return await self._connector.allocate(num_tokens)
 
     async def free(self, block_ids: list[int]) -> None:
-        ids = list(block_ids)
-
-        def hook(e: EngineKVHooks) -> None:
-            e.free_blocks(ids)
-
-        await self._engine.call_in_engine(hook)
+        await self._connector.free(block_ids)
 
     async def release_held(self, request_id: str) -> None:
-        def hook(e: EngineKVHooks) -> bool:
-            return e.release_held(request_id)
-
-        await self._engine.call_in_engine(hook)
+        await self._connector.release_held(request_id)

@@ -23,7 +23,7 @@ from services.common.json_body import json_response, read_json_object
 from services.common.middleware import ApiKeyAuth
 from services.router.errors import AdminDisabledError
 from services.router.state import STATE_KEY, RouterState
-from services.router.workers import Role
+from shared.protocol.pd import Role
 
 
 def _version() -> str:

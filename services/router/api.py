@@ -16,11 +16,11 @@ from aiohttp import web
 from services.common.errors import ApiError, BadRequestError, ServiceUnavailableError
 from services.common.json_body import json_response, read_json_object
 from services.common.middleware import REQUEST_ID_KEY
-from services.router.first_token import ApiKind
 from services.router.orchestrator import ClientRequest
 from services.router.phases import Phases
 from services.router.state import STATE_KEY, RouterState
 from services.router.upstream import UpstreamFailure
+from shared.protocol.pd import ApiKind
 
 
 def _validate(body: dict[str, Any]) -> None:

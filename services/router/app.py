@@ -30,7 +30,7 @@ from services.router.registry import WorkerRegistry
 from services.router.state import STATE_KEY, RouterState, Runtime
 from services.router.tokens import PromptTokenizer
 from services.router.upstream import Upstream
-from services.router.workers import Role
+from shared.protocol.pd import Role
 
 CONFIG_KEY = web.AppKey("router_config", RouterConfig)
 # Client endpoints: API key, readiness gate. /health, /live, /metrics and /workers stay open

@@ -18,8 +18,9 @@ from aiohttp import web
 
 from services.common.errors import RESPONSE_STARTED_KEY, ApiError
 from services.router.first_token import FirstTokenSkipper
-from services.router.phases import PHASES_HEADER, Phases
+from services.router.phases import Phases
 from services.router.upstream import DONE, UpstreamFailure, sse_data
+from shared.protocol.pd import PHASES_HEADER
 
 _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 _ERROR_EVENT = re.compile(rb'^\{\s*"error"\s*:')

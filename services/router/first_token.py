@@ -9,19 +9,9 @@ count), the repeated role delta and the repeated prompt ids.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
-
-class ApiKind(StrEnum):
-    """Which OpenAI endpoint a request came in on; decides the chunk shapes."""
-
-    COMPLETIONS = "completions"
-    CHAT = "chat"
-
-    @property
-    def chunk_object(self) -> str:
-        return "text_completion" if self is ApiKind.COMPLETIONS else "chat.completion.chunk"
+from shared.protocol.pd import ApiKind
 
 
 def _choice_text(kind: ApiKind, choice: dict[str, Any]) -> str:

@@ -23,7 +23,8 @@ from services.router.metrics import RouterMetrics
 from services.router.policies import PrefixIndex
 from services.router.registry import WorkerRegistry
 from services.router.upstream import Upstream, UpstreamFailure
-from services.router.workers import MetadataError, Role, Worker, WorkerMetadata
+from services.router.workers import MetadataError, Worker, WorkerMetadata
+from shared.protocol.pd import Role
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ import uuid
 from typing import Any
 
 from services.router.workers import WorkerMetadata
+from shared.protocol.pd import PrefillLegParams, PushDecodeParams, TransferMode
 
 # Fields that would make the prefill leg stream or run past its single token.
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
@@ -40,7 +41,7 @@ def decode_body(body: dict[str, Any], kv_params: dict[str, Any] | None) -> dict[
 
 
 def pull_prefill_params() -> dict[str, Any]:
-    return {"do_remote_decode": True, "do_remote_prefill": False}
+    return PrefillLegParams().to_wire()
 
 
 def new_transfer_id() -> str:
@@ -54,12 +55,9 @@ def push_params(transfer_id: str, prefill: WorkerMetadata) -> tuple[dict[str, An
     KV endpoint, from its metadata); the prefill writes into whichever decode registers the
     same `transfer_id`. Either may arrive first.
     """
-    common = {"transfer_id": transfer_id, "transfer_mode": "push"}
-    to_prefill = {**common, "do_remote_decode": True, "do_remote_prefill": False}
-    to_decode = {**common, "do_remote_prefill": True, "do_remote_decode": False,
-                 "remote_engine_id": prefill.engine_id, "remote_host": prefill.kv_host,
-                 "remote_port": prefill.kv_port}
-    return to_prefill, to_decode
+    to_prefill = PrefillLegParams(TransferMode.PUSH, transfer_id)
+    to_decode = PushDecodeParams(transfer_id, prefill.kv_host, prefill.kv_port, prefill.engine_id)
+    return to_prefill.to_wire(), to_decode.to_wire()
 
 
 def prompt_token_ids(body: dict[str, Any]) -> list[int] | None:

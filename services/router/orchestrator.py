@@ -28,7 +28,7 @@ from services.common.json_body import json_response
 from services.router.client_stream import ClientStream, relay
 from services.router.config import RetryConfig, RouterConfig
 from services.router.errors import NoServableGroupError
-from services.router.first_token import ApiKind, FirstTokenSkipper, early_chunks
+from services.router.first_token import FirstTokenSkipper, early_chunks
 from services.router.leases import LeaseReleaser
 from services.router.legs import (
     can_stream_first_token_early,
@@ -40,10 +40,11 @@ from services.router.legs import (
 )
 from services.router.metrics import RouterMetrics
 from services.router.pairing import Pairing, Route
-from services.router.phases import PHASES_HEADER, Phases, cached_tokens_of, patch_usage
+from services.router.phases import Phases, cached_tokens_of, patch_usage
 from services.router.tokens import PromptTokenizer
 from services.router.upstream import Upstream, UpstreamFailure
 from services.router.workers import Worker
+from shared.protocol.pd import PHASES_HEADER, ApiKind
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-PHASES_HEADER = "x-pdmesh-phases"
-
 
 @dataclass
 class Phases:

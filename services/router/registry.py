@@ -14,7 +14,8 @@ from typing import Any
 
 from services.router.breaker import CircuitBreaker
 from services.router.config import BreakerConfig
-from services.router.workers import Role, Worker
+from services.router.workers import Worker
+from shared.protocol.pd import Role
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ import logging
 from typing import Any
 
 from services.router.config import TokenizerSource
-from services.router.first_token import ApiKind
 from services.router.legs import prompt_token_ids
 from services.router.registry import WorkerRegistry
 from services.router.upstream import Upstream, UpstreamFailure
+from shared.protocol.pd import ApiKind
 
 log = logging.getLogger(__name__)
 

@@ -15,14 +15,7 @@ from enum import StrEnum
 from typing import Any
 
 from services.router.breaker import CircuitBreaker
-
-
-class Role(StrEnum):
-    """A worker's role in the mesh."""
-
-    PREFILL = "prefill"
-    DECODE = "decode"
-    MIXED = "mixed"
+from shared.protocol.pd import Role
 
 
 class Health(StrEnum):

@@ -18,21 +18,13 @@ from services.kv_transfer.config import add_arguments as add_kv_arguments
 from shared.config import DEFAULT_MODEL, EngineConfig
 from shared.pipeline import config as pipeline_config
 from shared.pipeline.config import PipelineConfig
+from shared.protocol.pd import Role
 
 API_KEY_ENV = "PDMESH_API_KEY"
 DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
 
 
-class WorkerRole(StrEnum):
-    """What part of a request a worker serves. Prefill and decode workers run a KV-transfer
-    service next to the API; every role still serves plain requests on its own."""
-
-    MIXED = "mixed"
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-SUPPORTED_ROLES = tuple(WorkerRole)
+SUPPORTED_ROLES = tuple(Role)
 
 
 class KVLoadFailurePolicy(StrEnum):
@@ -56,7 +48,7 @@ class WorkerConfig:
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
-    role: WorkerRole = WorkerRole.MIXED
+    role: Role = Role.MIXED
     host: str = "127.0.0.1"
     port: int = 8100
     api_keys: tuple[str, ...] = ()
@@ -72,14 +64,14 @@ class WorkerConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self) -> None:
-        if self.pipeline.enabled and self.role is WorkerRole.DECODE:
+        if self.pipeline.enabled and self.role is Role.DECODE:
             raise ValueError("--pp-size > 1 works for the mixed and prefill roles, not decode")
         if self.kv is not None:
             # The KV service declares one layer range per stage (the handshake checks them).
             object.__setattr__(self, "kv", dataclasses.replace(
                 self.kv, pp_size=self.pipeline.pp_size,
                 layer_partition=self.pipeline.layer_partition))
-        if (self.kv is None) != (self.role is WorkerRole.MIXED):
+        if (self.kv is None) != (self.role is Role.MIXED):
             need = "needs" if self.kv is None else "has no"
             raise ValueError(f"a {self.role.value} worker {need} KV-transfer settings")
         if self.kv is not None and self.kv.role != self.role.value:
@@ -136,8 +128,8 @@ class WorkerConfig:
             quantize_lm_head=args.quantize_lm_head,
             seed=args.seed,
         )
-        role = WorkerRole(args.role)
-        kv = None if role is WorkerRole.MIXED else KVTransferConfig.from_args(args, role.value, environ)
+        role = Role(args.role)
+        kv = None if role is Role.MIXED else KVTransferConfig.from_args(args, role.value, environ)
         return cls(
             engine=engine,
             role=role,
@@ -161,7 +153,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     w = WorkerConfig()
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model name, HF directory or GGUF file")
-    parser.add_argument("--role", default="mixed", choices=[r.value for r in WorkerRole],
+    parser.add_argument("--role", default="mixed", choices=[r.value for r in Role],
                         help="mixed (whole requests), prefill or decode (P/D legs + KV service)")
     parser.add_argument("--host", default=w.host)
     parser.add_argument("--port", type=int, default=w.port)

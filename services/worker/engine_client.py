@@ -6,14 +6,13 @@ Written as a Protocol so tests can serve a deterministic fake engine through the
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from shared.config import EngineConfig
+from shared.engine.kv_connector import AsyncKVConnector, KVRequestOptions
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.pipeline.config import PipelineConfig
-
-T = TypeVar("T")
 
 
 class TokenizerLike(Protocol):
@@ -46,9 +45,8 @@ class EngineClient(Protocol):
     Leaving a `generate` iterator early (or calling `abort`) frees the request's KV blocks
     within one engine step. An exception escaping an engine step fails the engine for good:
     every request gets an ERROR output at once, `healthy` turns False, `failure` says why and
-    the failure listeners run. `generate`'s keywords go to `LLMEngine.add_request` (the P/D legs
-    use `hold_kv` and `wait_for_remote_kv`); `call_in_engine(fn)` runs `fn(LLMEngine)` on the
-    engine thread between steps (P/D only; a mixed worker never calls either).
+    the failure listeners run. The P/D legs pass `generate` a `KVRequestOptions` and reach
+    the engine's KV only through `kv_connector` (a mixed worker never does either).
     """
 
     tokenizer: TokenizerLike
@@ -57,6 +55,7 @@ class EngineClient(Protocol):
     engine_id: str
     max_model_len: int
     fingerprint: str
+    kv_connector: AsyncKVConnector
 
     @property
     def healthy(self) -> bool: ...
@@ -71,10 +70,9 @@ class EngineClient(Protocol):
     async def shutdown(self) -> None: ...
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **kw: Any
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        kv: KVRequestOptions | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
-
-    async def call_in_engine(self, fn: Callable[[Any], T]) -> T: ...
 
     def add_failure_listener(self, fn: Callable[[str], None]) -> None:
         """Call fn(reason) on the event loop once the engine has failed (every request it

@@ -14,8 +14,6 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any
 
 from services.common.errors import (
     ApiError,
@@ -24,15 +22,11 @@ from services.common.errors import (
     ServiceUnavailableError,
 )
 from services.worker.engine_client import EngineClient
+from shared.engine.kv_connector import KVRequestOptions
 from shared.engine.outputs import RequestOutput, TokenLogprob
 from shared.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class EndpointKind(StrEnum):
-    COMPLETION = "completion"
-    CHAT = "chat"
 
 
 @dataclass(frozen=True)
@@ -123,8 +117,8 @@ Outputs = asyncio.Queue[tuple[ChoiceJob, RequestOutput | BaseException | _Stream
 
 
 async def _pump(engine: EngineClient, job: ChoiceJob, prompt_ids: list[int], queue: Outputs,
-                kwargs: dict[str, Any]) -> None:
-    stream = engine.generate(job.engine_request_id, prompt_ids, job.params, **kwargs)
+                kv: KVRequestOptions | None) -> None:
+    stream = engine.generate(job.engine_request_id, prompt_ids, job.params, kv)
     try:
         async for out in stream:
             await queue.put((job, out))
@@ -140,19 +134,18 @@ async def _pump(engine: EngineClient, job: ChoiceJob, prompt_ids: list[int], que
 
 @contextlib.asynccontextmanager
 async def running_choices(engine: EngineClient, jobs: list[ChoiceJob],
-                          prompts: list[PreparedPrompt], kwargs: dict[str, Any] | None = None,
+                          prompts: list[PreparedPrompt], kv: KVRequestOptions | None = None,
                           ) -> AsyncIterator[AsyncIterator[tuple[ChoiceJob, RequestOutput]]]:
     """Start every choice on the engine; yields an iterator of (job, output) as the engine
     produces them, until every choice has finished.
 
     The engine requests exist once this is entered (each pump's first step submits its request
-    before the body runs), so a decode leg can hand its KV to them right away. `kwargs` go to
-    every `engine.generate` call (P/D: hold_kv, wait_for_remote_kv). Leaving, however early,
+    before the body runs), so a decode leg can hand its KV to them right away. `kv` goes to
+    every `engine.generate` call (the P/D legs: HOLD, AWAIT_REMOTE). Leaving, however early,
     aborts the unfinished requests at once, which frees their KV blocks.
     """
     queue: Outputs = asyncio.Queue()
-    tasks = [asyncio.create_task(_pump(engine, job, prompts[job.prompt_index].token_ids, queue,
-                                       kwargs or {}))
+    tasks = [asyncio.create_task(_pump(engine, job, prompts[job.prompt_index].token_ids, queue, kv))
              for job in jobs]
     unfinished = {job.engine_request_id for job in jobs}
     try:

@@ -1,17 +1,18 @@
 """The P/D legs of one worker: handing a finished prompt's KV off, and taking it over.
 
-Prefill leg: the engine runs the request with `hold_kv=True` (max_tokens 1), so its blocks
-outlive it; `hand_off` then leases them (pull: the response carries the kv_transfer_params) or
+Prefill leg: the engine runs the request with `KVRequestOptions.hold()` (max_tokens 1), so its
+blocks outlive it; `hand_off` then leases them (pull: the response carries the kv_transfer_params) or
 pushes them into the decode registered under the transfer id (push). Decode leg: the engine
-request is added with `wait_for_remote_kv=True` (it waits, abortable, never scheduled),
+request is added with `KVRequestOptions.await_remote()` (it waits, abortable, never scheduled),
 `load` pulls or receives the KV into freshly allocated blocks and hands them to the waiting
-request on the engine thread, which then emits the prefill's first token and continues.
+request through the engine's KV connector (`adopt`), which then emits the prefill's first
+token and continues. The engine is reached only through `engine.kv_connector`.
 
 Ownership of blocks is settled at one point per path, so nothing leaks on any failure:
 - prefill: held blocks belong to the engine's held table until `offer`/`send` starts, which
   release them on their own failures; before that, `LegState.abandon` releases them.
-- decode: received blocks belong to us until `_adopt` runs on the engine thread, which either
-  gives them to the request or frees them, atomically (no await in between).
+- decode: received blocks belong to us until the connector's `adopt` runs on the engine
+  thread, which either gives them to the request or frees them, atomically.
 - remote side: until the transfer starts, `abandon` tells the peer to let go (a lease release,
   a push abort); once it started, `fetch`/`receive`/`send` do it on every path.
 """
@@ -26,21 +27,20 @@ from typing import TYPE_CHECKING, Any
 
 from services.common.errors import ApiError, BadRequestError, InternalServerError
 from services.kv_transfer.errors import BadGatewayError, ConflictError, GatewayTimeoutError
-from services.worker.config import KVLoadFailurePolicy, WorkerConfig, WorkerRole
+from services.worker.config import KVLoadFailurePolicy, WorkerConfig
 from services.worker.engine_client import EngineClient
 from services.worker.kv_params import (
-    PARAM,
     DecodeLeg,
     Leg,
-    PrefillLeg,
     PullDecodeLeg,
     parse_kv_transfer_params,
 )
 from services.worker.logprobs import safe_logprob
+from shared.engine.kv_connector import AdoptOutcome, KVRequestOptions
 from shared.engine.outputs import TokenLogprob
-from shared.engine.request import PrefilledKV, RequestStatus
-from shared.protocol.codec import to_fields
+from shared.engine.request import PrefilledKV
 from shared.protocol.messages import TokenLogprobWire, prompt_digest
+from shared.protocol.pd import PARAM, PrefillLegParams, PushOverlap, PushPrefillResult, Role
 
 if TYPE_CHECKING:  # torch-heavy; a mixed worker never loads them
     from services.kv_transfer.push_stream import PushStream
@@ -63,7 +63,7 @@ class LegState:
 
     @property
     def is_prefill(self) -> bool:
-        return isinstance(self.leg, PrefillLeg)
+        return isinstance(self.leg, PrefillLegParams)
 
 
 @dataclass(frozen=True)
@@ -97,28 +97,6 @@ def engine_logprob(wire: TokenLogprobWire) -> TokenLogprob | None:
                                                               strict=True)))
 
 
-def _adopt(engine: Any, request_id: str, prefilled: PrefilledKV) -> str:
-    """Engine thread: give the waiting request its KV, or free the blocks. Returns
-    "adopted", "gone" (the request ended meanwhile) or the refusal's message."""
-    try:
-        engine.remote_kv_ready(request_id, prefilled)
-        return "adopted"
-    except ValueError as exc:
-        engine.free_blocks(list(prefilled.block_ids))
-        req = engine.scheduler.requests.get(request_id)
-        return "gone" if req is None or req.is_finished else str(exc)
-
-
-def _compute_locally(engine: Any, request_id: str) -> bool:
-    """Engine thread: the recompute policy. The waiting request becomes an ordinary one that
-    computes its own prompt (mirrors LLMEngine.remote_kv_ready without the KV)."""
-    req = engine.scheduler.requests.get(request_id)
-    if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
-        return False
-    req.status = RequestStatus.WAITING
-    return True
-
-
 class Handoff:
     """The P/D operations of one prefill or decode worker, over its engine and KV service.
 
@@ -129,6 +107,7 @@ class Handoff:
 
     def __init__(self, engine: EngineClient, link: KVLink, config: WorkerConfig) -> None:
         self.engine = engine
+        self.kv = engine.kv_connector
         self.link = link
         self.service = link.service
         self.config = config
@@ -138,8 +117,8 @@ class Handoff:
 
     # ---- every leg ---------------------------------------------------------------------
     @staticmethod
-    def _role_for(leg: Leg) -> WorkerRole:
-        return WorkerRole.PREFILL if isinstance(leg, PrefillLeg) else WorkerRole.DECODE
+    def _role_for(leg: Leg) -> Role:
+        return Role.PREFILL if isinstance(leg, PrefillLegParams) else Role.DECODE
 
     def serves(self, leg: Leg) -> bool:
         return self._role_for(leg) is self.config.role and leg.mode == self.service.transfer.mode
@@ -151,27 +130,27 @@ class Handoff:
             raise BadRequestError(f"this is a {role.value} worker; it cannot serve a "
                                   f"{wanted.value} leg", param=PARAM, code="kv_wrong_role")
         if leg.mode != self.service.transfer.mode:
-            raise ConflictError(f"kv_transfer_params ask for transfer_mode {leg.mode!r}, this "
+            raise ConflictError(f"kv_transfer_params ask for transfer_mode {leg.mode.value!r}, this "
                                 f"worker runs transfer_mode {self.service.transfer.mode!r}",
                                 param=f"{PARAM}.transfer_mode", code="kv_transfer_mode_mismatch")
         if num_choices != 1:
             raise BadRequestError("a P/D leg serves exactly one prompt with n=1",
                                   param="n", code="kv_one_choice")
-        if stream and isinstance(leg, PrefillLeg):
+        if stream and isinstance(leg, PrefillLegParams):
             raise BadRequestError("a prefill leg answers with one JSON body; set stream to false",
                                   param="stream")
 
-    def engine_kwargs(self, state: LegState, num_tokens: int) -> dict[str, Any]:
-        """The engine request's P/D keywords. A push prefill opens its stream here, before
+    def engine_options(self, state: LegState, num_tokens: int) -> KVRequestOptions:
+        """The engine request's P/D options. A push prefill opens its stream here, before
         the prompt runs, so full blocks go out while chunked prefill computes the rest
         (engines without per-step KV progress, e.g. pipeline-parallel, push at the end)."""
         leg = state.leg
-        if not isinstance(leg, PrefillLeg):
-            return {"wait_for_remote_kv": True}
-        if leg.transfer_id is None or not getattr(self.engine, "streams_kv_progress", False):
-            return {"hold_kv": True}
+        if not isinstance(leg, PrefillLegParams):
+            return KVRequestOptions.await_remote()
+        if leg.transfer_id is None or not self.kv.streams_kv_progress:
+            return KVRequestOptions.hold()
         state.stream = self.service.push.open(leg.transfer_id, num_tokens, leg.decode_engine_id)
-        return {"hold_kv": True, "on_kv_progress": state.stream.feed}
+        return KVRequestOptions.hold(on_progress=state.stream.feed)
 
     def arrive(self, state: LegState) -> None:
         """Pull decode: heartbeat the prefill's lease from arrival until the request ends."""
@@ -188,10 +167,10 @@ class Handoff:
         if state.transferring or not self.serves(state.leg):  # a refused leg holds nothing
             return
         state.transferring = True  # once only
-        leg, ctx = state.leg, self.service.ctx
-        if isinstance(leg, PrefillLeg):
+        leg = state.leg
+        if isinstance(leg, PrefillLegParams):
             if state.request_id is not None:  # after the engine's abort (FIFO commands)
-                ctx.detach(self.link.store.release_held(state.request_id), "release held KV")
+                self.service.release_held_soon(state.request_id)
             if state.stream is not None:
                 state.stream.abort(reason)  # it tells the decode (once registered)
             elif leg.transfer_id is not None:
@@ -200,7 +179,7 @@ class Handoff:
             self.service.pull.decline(leg.params)
         else:
             self.service.push.decline_receive(leg.transfer_id, leg.prefill_address,
-                                              leg.prefill_engine_id, reason)
+                                              leg.remote_engine_id, reason)
 
     # ---- prefill -----------------------------------------------------------------------
     def abort_offer(self, value: Any) -> bool:
@@ -212,7 +191,7 @@ class Handoff:
             raise BadRequestError("expected the kv_transfer_params a pull prefill returned",
                                   param=PARAM, code="kv_bad_params")
         node = self.service.identity.node
-        if (self.config.role, params.mode) != (WorkerRole.PREFILL, self.service.transfer.mode) \
+        if (self.config.role, params.mode) != (Role.PREFILL, self.service.transfer.mode) \
                 or params.params.remote_engine_id != node.engine_id:
             raise BadRequestError("these kv_transfer_params were not issued by this worker",
                                   param=f"{PARAM}.remote_engine_id", code="kv_not_issued_here")
@@ -223,8 +202,8 @@ class Handoff:
         """Lease (pull) or push (push) the finished request's held blocks; the JSON object
         that goes out as the response's `kv_transfer_params`."""
         leg, request_id = state.leg, state.request_id
-        assert isinstance(leg, PrefillLeg) and request_id is not None
-        ids = await self.engine.call_in_engine(lambda e: e.held_block_ids(request_id))
+        assert isinstance(leg, PrefillLegParams) and request_id is not None
+        ids = await self.kv.held_block_ids(request_id)
         if ids is None:
             raise InternalServerError("the engine kept no KV blocks for the prefilled request",
                                       code="kv_not_held")
@@ -236,26 +215,25 @@ class Handoff:
         num_bytes = await self.service.push.send(leg.transfer_id, request_id, ids, len(prompt),
                                                  first, leg.decode_engine_id, state.stream)
         node = self.service.identity.node
-        return {"transfer_mode": "push", "transfer_id": leg.transfer_id,
-                "remote_engine_id": node.engine_id, "remote_host": node.kv_host,
-                "remote_port": node.kv_port, "num_tokens": len(prompt), "num_bytes": num_bytes,
-                "first_token": to_fields(first), "do_remote_prefill": True,
-                "do_remote_decode": False, "push_overlap": self._overlap(state, len(ids))}
+        return PushPrefillResult(leg.transfer_id, node.engine_id, node.kv_host, node.kv_port,
+                                 len(prompt), num_bytes, first,
+                                 self._overlap(state, len(ids))).to_wire()
 
     @staticmethod
-    def _overlap(state: LegState, num_blocks: int) -> dict[str, Any]:
+    def _overlap(state: LegState, num_blocks: int) -> PushOverlap:
         """How much of the push was hidden behind compute (blocks written before the
         prompt finished) and what stayed exposed after it."""
         stats = state.stream.stats if state.stream is not None else None
-        return {"blocks": num_blocks, "early_blocks": stats.early_blocks if stats else 0,
-                "exposed_ms": round(stats.finish_seconds * 1000, 3) if stats else None}
+        if stats is None:
+            return PushOverlap(num_blocks)
+        return PushOverlap(num_blocks, stats.early_blocks, round(stats.finish_seconds * 1000, 3))
 
     # ---- decode ------------------------------------------------------------------------
     async def load(self, state: LegState, prompt: list[int], wants_logprobs: bool) -> KVLoad:
         """Bring the prompt's KV into the waiting engine request (or, by policy, let it
         recompute). Raises an ApiError for the client when the KV cannot be had."""
         leg, request_id, start = state.leg, state.request_id, time.perf_counter()
-        assert not isinstance(leg, PrefillLeg) and request_id is not None
+        assert not isinstance(leg, PrefillLegParams) and request_id is not None
         try:
             self._precheck(leg, prompt)
             state.transferring = True
@@ -275,9 +253,9 @@ class Handoff:
                                 engine_logprob(kv.first_token))
         # Submitted before any suspension: the engine settles the blocks' owner even if we
         # are cancelled while waiting for the answer.
-        outcome = await self.engine.call_in_engine(lambda e: _adopt(e, request_id, prefilled))
-        if outcome not in ("adopted", "gone"):
-            raise InternalServerError(f"the engine refused the received KV: {outcome}",
+        adopted = await self.kv.adopt(request_id, prefilled)
+        if adopted.outcome is AdoptOutcome.REFUSED:
+            raise InternalServerError(f"the engine refused the received KV: {adopted.message}",
                                       code="kv_adopt_failed")
         return KVLoad(time.perf_counter() - start, kv.num_bytes, recomputed=False)
 
@@ -311,15 +289,16 @@ class Handoff:
                 if isinstance(leg, PullDecodeLeg):
                     return await self.service.pull.fetch(leg.params)
                 return await self.service.push.receive(leg.transfer_id, leg.prefill_address,
-                                                       num_tokens, leg.prefill_engine_id)
+                                                       num_tokens, leg.remote_engine_id)
         except TimeoutError:
             raise GatewayTimeoutError(f"remote KV did not arrive within {self.reclaim_s:.0f}s",
                                       code="kv_reclaim_deadline") from None
 
     async def _fail(self, request_id: str, exc: ApiError, start: float) -> KVLoad:
         if self.config.kv_load_failure_policy is not KVLoadFailurePolicy.RECOMPUTE:
+            await self.kv.fail_remote_load(request_id)
             raise exc
         log.warning("remote KV for %s failed (%s); recomputing the prompt locally",
                     request_id, exc.message)
-        await self.engine.call_in_engine(lambda e: _compute_locally(e, request_id))
+        await self.kv.compute_locally(request_id)
         return KVLoad(time.perf_counter() - start, 0, recomputed=True)

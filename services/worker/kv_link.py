@@ -48,8 +48,8 @@ class KVLink:
         """Build the service over `engine` (already started) and start serving /kv/v1/."""
         assert config.kv is not None, "only prefill and decode workers have a KV link"
         kv_config = dataclasses.replace(config.kv, engine_id=engine.engine_id)
-        kv_cache = await engine.call_in_engine(lambda e: e.runner.kv_cache)
-        store = EngineBlockStore(engine, kv_cache)
+        connector = engine.kv_connector
+        store = EngineBlockStore(connector, await connector.cache_view())
         # The served name (what clients and routers call the model) identifies it: paths to
         # the same weights differ between hosts, the fingerprint catches different weights
         # and the transforms what this worker does to them (quantisation).
@@ -60,7 +60,9 @@ class KVLink:
         node = service.identity.node
         log.info("KV transfer (%s, %s mode) on %s:%d, compat hash %s", node.role,
                  node.transfer_mode, config.kv.host, node.kv_port, service.identity.compat_hash)
-        return cls(service, store, runner, reap_on_engine_steps(engine, service))
+        # Expired leases are reaped after every engine step (the service's timer is the
+        # backstop while the engine is idle).
+        return cls(service, store, runner, connector.add_step_listener(service.transfer.reap))
 
     async def close(self) -> None:
         """Stop the KV app; its cleanup releases every lease (needs the engine still up)."""
@@ -95,9 +97,3 @@ class KVLink:
             },
         }
 
-
-def reap_on_engine_steps(engine: Any, service: KVTransferService) -> Callable[[], None] | None:
-    """Reap the service's expired leases (and stale push registrations) after every engine
-    step; returns the remover, or None for an engine without step listeners."""
-    add = getattr(engine, "add_step_listener", None)
-    return add(service.transfer.reap) if add is not None else None

@@ -1,15 +1,8 @@
 """The `kv_transfer_params` request field, parsed into the P/D leg it asks this worker to serve.
 
-Shapes (vLLM's routing flags, pdmesh's fields):
-- prefill leg, pull: `{"do_remote_decode": true}`;
-- prefill leg, push: `{"do_remote_decode": true, "transfer_id": T}` (optionally
-  `"transfer_mode": "push"` and the expected `"decode_engine_id"`);
-- decode leg, pull: what a pull prefill returned (`KVTransferParams.to_json()`, which carries
-  `"do_remote_prefill": true`), passed verbatim;
-- decode leg, push: `{"do_remote_prefill": true, "transfer_id": T, "remote_host", "remote_port",
-  "remote_engine_id"}` (the prefill's KV address, from its metadata).
-`null`, `{}` or both flags false mean a plain request. Anything malformed is a 400 naming
-`kv_transfer_params`, before any KV is touched.
+The shapes are the P/D contract (shared.protocol.pd); this module validates them field by
+field so that anything malformed is a 400 naming the exact `kv_transfer_params.<field>`,
+before any KV is touched. `null`, `{}` or both routing flags false mean a plain request.
 """
 
 from __future__ import annotations
@@ -21,21 +14,7 @@ from services.common.errors import BadRequestError
 from services.worker.fields import Fields, invalid
 from shared.protocol.codec import ProtocolError
 from shared.protocol.messages import ROUTING_FLAGS, TRANSFER_MODES, KVTransferParams
-
-PARAM = "kv_transfer_params"
-
-
-@dataclass(frozen=True)
-class PrefillLeg:
-    """Compute the prompt and its first token, then hand the KV to a decode.
-
-    `transfer_id` is the push rendezvous id (None: pull, the KV is leased and described in
-    the response); `decode_engine_id`, when given, is the only decode allowed to register.
-    """
-
-    mode: str
-    transfer_id: str | None = None
-    decode_engine_id: str | None = None
+from shared.protocol.pd import PARAM, PrefillLegParams, PushDecodeParams, TransferMode
 
 
 @dataclass(frozen=True)
@@ -45,25 +24,12 @@ class PullDecodeLeg:
     params: KVTransferParams
 
     @property
-    def mode(self) -> str:
-        return self.params.transfer_mode
+    def mode(self) -> TransferMode:
+        return TransferMode(self.params.transfer_mode)
 
 
-@dataclass(frozen=True)
-class PushDecodeLeg:
-    """Continue a request whose prompt KV the prefill at `prefill_address` will push."""
-
-    transfer_id: str
-    prefill_address: str
-    prefill_engine_id: str | None
-
-    @property
-    def mode(self) -> str:
-        return "push"
-
-
-DecodeLeg = PullDecodeLeg | PushDecodeLeg
-Leg = PrefillLeg | DecodeLeg
+DecodeLeg = PullDecodeLeg | PushDecodeParams
+Leg = PrefillLegParams | DecodeLeg
 
 
 def _flag(f: Fields, name: str) -> bool:
@@ -77,22 +43,22 @@ def _transfer_id(f: Fields) -> str | None:
     return value
 
 
-def _prefill_leg(f: Fields) -> PrefillLeg:
+def _prefill_leg(f: Fields) -> PrefillLegParams:
     transfer_id = _transfer_id(f)
     mode = f.choice("transfer_mode", "push" if transfer_id else "pull", TRANSFER_MODES)
     if (mode == "push") != (transfer_id is not None):
         raise invalid(f.param("transfer_id"), "push mode needs a transfer_id, pull mode takes none")
-    return PrefillLeg(mode, transfer_id, f.string("decode_engine_id", None))
+    return PrefillLegParams(TransferMode(mode), transfer_id, f.string("decode_engine_id", None))
 
 
-def _push_decode_leg(f: Fields, transfer_id: str) -> PushDecodeLeg:
+def _push_decode_leg(f: Fields, transfer_id: str) -> PushDecodeParams:
     f.choice("transfer_mode", "push", ("push",))
     host = f.string("remote_host", None)
     port = f.integer("remote_port", None, lo=1, hi=65535)
     if not host or port is None:
         raise invalid(f.param("remote_host"), "a push decode leg needs the prefill's remote_host "
                                               "and remote_port")
-    return PushDecodeLeg(transfer_id, f"{host}:{port}", f.string("remote_engine_id", None))
+    return PushDecodeParams(transfer_id, host, port, f.string("remote_engine_id", None))
 
 
 def parse_kv_transfer_params(value: Any) -> Leg | None:

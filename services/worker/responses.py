@@ -12,21 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.worker.generation import ChoiceState, EndpointKind, PreparedPrompt
+from services.worker.generation import ChoiceState, PreparedPrompt
 from services.worker.logprobs import LogprobFormatter
 from shared.engine.outputs import RequestOutput
-
-_OBJECTS = {
-    EndpointKind.COMPLETION: ("text_completion", "text_completion"),
-    EndpointKind.CHAT: ("chat.completion", "chat.completion.chunk"),
-}
+from shared.protocol.pd import ApiKind
 
 
 @dataclass(frozen=True)
 class ResponseSpec:
     """What shapes one response: endpoint, ids, and the options that change the body."""
 
-    kind: EndpointKind
+    kind: ApiKind
     response_id: str
     created: int
     model: str
@@ -44,7 +40,7 @@ class ResponseBuilder:
     def __init__(self, spec: ResponseSpec, formatter: LogprobFormatter) -> None:
         self.spec = spec
         self.fmt = formatter
-        self._full_object, self._chunk_object = _OBJECTS[spec.kind]
+        self._full_object, self._chunk_object = spec.kind.response_object, spec.kind.chunk_object
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
         return {"id": self.spec.response_id, "object": obj, "created": self.spec.created,
@@ -61,7 +57,7 @@ class ResponseBuilder:
         top_n = self.spec.logprobs
         if top_n is None:
             return None
-        if self.spec.kind is EndpointKind.CHAT:
+        if self.spec.kind is ApiKind.CHAT:
             return self.fmt.chat(entries, top_n)
         body, state.text_offset = self.fmt.completion(entries, top_n, state.text_offset)
         return body
@@ -81,7 +77,7 @@ class ResponseBuilder:
                 state.text_offset = len(prompt.text)
             logprobs = self._logprobs(state, state.logprobs)
             choice: dict[str, Any] = {"index": state.job.index}
-            if self.spec.kind is EndpointKind.CHAT:
+            if self.spec.kind is ApiKind.CHAT:
                 choice["message"] = {"role": "assistant", "content": state.text}
             else:
                 choice["text"] = (prompt.text if self.spec.echo else "") + state.text
@@ -96,7 +92,7 @@ class ResponseBuilder:
 
     def _delta_choice(self, state: ChoiceState, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": state.job.index}
-        if self.spec.kind is EndpointKind.CHAT:
+        if self.spec.kind is ApiKind.CHAT:
             choice["delta"] = {"content": text} if text or finish is None else {}
         else:
             choice["text"] = text
@@ -111,7 +107,7 @@ class ResponseBuilder:
         text, first = out.new_text, not state.started
         if first:
             state.started = True
-            if self.spec.kind is EndpointKind.CHAT:
+            if self.spec.kind is ApiKind.CHAT:
                 role = {"index": state.job.index, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None}
                 self._add_token_ids(role, state, [], with_prompt=True)

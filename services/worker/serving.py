@@ -34,7 +34,6 @@ from services.worker.engine_client import EngineClient
 from services.worker.generation import (
     ChoiceJob,
     ChoiceState,
-    EndpointKind,
     EngineRequestError,
     PreparedPrompt,
     running_choices,
@@ -52,13 +51,14 @@ from services.worker.openai_protocol import (
 from services.worker.prompts import PromptBuilder
 from services.worker.responses import ResponseBuilder, ResponseSpec
 from services.worker.streaming import SseWriter
+from shared.engine.kv_connector import KVRequestOptions
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
+from shared.protocol.pd import PHASES_HEADER, ApiKind
 
 log = logging.getLogger(__name__)
 
 Events = AsyncIterator[tuple[ChoiceJob, RequestOutput]]
-PHASES_HEADER = "x-pdmesh-phases"  # what the decode leg reports to the router
 
 
 class GenerationService:
@@ -119,9 +119,9 @@ class GenerationService:
             return sampling, max_tokens
         return dataclasses.replace(sampling, min_tokens=min(sampling.min_tokens, 1)), 1
 
-    def _spec(self, kind: EndpointKind, common: CommonFields, model: str,
+    def _spec(self, kind: ApiKind, common: CommonFields, model: str,
               prompts: list[PreparedPrompt], logprobs: int | None, echo: bool) -> ResponseSpec:
-        prefix = "chatcmpl" if kind is EndpointKind.CHAT else "cmpl"
+        prefix = "chatcmpl" if kind is ApiKind.CHAT else "cmpl"
         return ResponseSpec(kind=kind, response_id=f"{prefix}-{uuid.uuid4().hex}",
                             created=int(time.time()), model=model,
                             system_fingerprint=self.system_fingerprint, prompts=prompts,
@@ -147,7 +147,7 @@ class GenerationService:
             max_tokens = self.prompts.max_tokens_for(len(prompt.token_ids), wanted,
                                                      "prompt", "max_tokens")
             params.append(self.prompts.sampling_params(sampling, max_tokens, req.logprobs, {}))
-        spec = self._spec(EndpointKind.COMPLETION, req.common, model, prompts, req.logprobs, req.echo)
+        spec = self._spec(ApiKind.COMPLETIONS, req.common, model, prompts, req.logprobs, req.echo)
         jobs = self._jobs(spec, params, req.common.sampling.n)
         return await self._execute(request, spec, jobs, req.common.stream, arrival, leg)
 
@@ -162,18 +162,18 @@ class GenerationService:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         renames = {"logprobs": "top_logprobs", "max_tokens": req.max_tokens_param}
         params = self.prompts.sampling_params(sampling, max_tokens, logprobs, renames)
-        spec = self._spec(EndpointKind.CHAT, req.common, model, [prompt], logprobs, echo=False)
+        spec = self._spec(ApiKind.CHAT, req.common, model, [prompt], logprobs, echo=False)
         jobs = self._jobs(spec, [params], req.common.sampling.n)
         return await self._execute(request, spec, jobs, req.common.stream, arrival, leg)
 
     async def _execute(self, request: web.Request, spec: ResponseSpec, jobs: list[ChoiceJob],
                        stream: bool, arrival: float, leg: LegState | None) -> web.StreamResponse:
-        kwargs: dict[str, Any] = {}
+        kv: KVRequestOptions | None = None
         if leg is not None:
             assert self.handoff is not None
             self.handoff.check(leg.leg, len(jobs), stream)
             leg.request_id = jobs[0].engine_request_id
-            kwargs = self.handoff.engine_kwargs(leg, len(spec.prompts[0].token_ids))
+            kv = self.handoff.engine_options(leg, len(spec.prompts[0].token_ids))
         with self.admission.admit(len(jobs)):
             states = {job.index: ChoiceState(job) for job in jobs}
             timers = {job.index: ChoiceTimer(self.metrics, arrival,
@@ -182,7 +182,7 @@ class GenerationService:
             builder = ResponseBuilder(spec, self.formatter)
             headers: dict[str, str] = {}
             try:
-                async with running_choices(self.engine, jobs, spec.prompts, kwargs) as events:
+                async with running_choices(self.engine, jobs, spec.prompts, kv) as events:
                     if leg is not None and not leg.is_prefill:
                         assert self.handoff is not None
                         load = await self.handoff.load(leg, spec.prompts[0].token_ids,

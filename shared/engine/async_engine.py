@@ -1,7 +1,7 @@
 """AsyncEngine: one dedicated engine thread running LLMEngine.step(), bridged to asyncio.
 
 Threading model: the engine thread owns the LLMEngine. Other threads never touch it; they
-append commands (add, abort, call_in_engine) to a queue guarded by a Condition, and the
+append commands (add, abort, KV-connector calls) to a queue guarded by a Condition, and the
 thread runs them between steps. When there is nothing to compute the thread sleeps on the
 Condition (no busy spin). Outputs go back with ONE `loop.call_soon_threadsafe` per step,
 which puts each RequestOutput into its request's asyncio.Queue, hands that step's KV
@@ -9,7 +9,7 @@ progress (full prompt blocks of `on_kv_progress` requests) to their listeners, a
 the step listeners (the KV service reaps expired leases there: once per engine step).
 If a step (or a command between steps) raises, the engine is FAILED: in this order, the
 traceback is logged once, the state flips (no command gets in any more; later calls raise
-EngineDeadError), every stream and call_in_engine caller still waiting gets an ERROR output /
+EngineDeadError), every stream and KV-connector caller still waiting gets an ERROR output /
 EngineDeadError, the failure listeners run (the worker turns unhealthy and exits), and only
 then is the engine asked to finish its requests (`fail_all`, which decodes their tails and may
 well raise again: that must not, and now cannot, keep anyone waiting).
@@ -29,6 +29,12 @@ from typing import Any, TypeVar
 
 from shared.config import EngineConfig
 from shared.engine.engine import EngineStats, LLMEngine
+from shared.engine.kv_connector import (
+    AsyncKVConnector,
+    KVRequestOptions,
+    KVRole,
+    SchedulerKVConnector,
+)
 from shared.engine.kv_stream import KVProgress
 from shared.engine.outputs import FinishReason, RequestOutput
 from shared.engine.sampling_params import SamplingParams
@@ -60,7 +66,7 @@ class AsyncEngine:
     a fresh engine_id are set. `generate` yields incremental RequestOutputs; leaving the
     iteration early (break + aclose, cancellation, GeneratorExit) aborts the request, which
     frees its blocks before the next step. `healthy` is True exactly while RUNNING; `failure`
-    says why the engine FAILED.
+    says why the engine FAILED. `kv_connector` is the P/D seam (shared.engine.kv_connector).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -81,11 +87,14 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._stats: EngineStats | None = None
-        self._waiters: set[asyncio.Future[Any]] = set()  # pending call_in_engine results
+        self._waiters: set[asyncio.Future[Any]] = set()  # pending _run_in_engine results
         self._kv_listeners: dict[str, Callable[[KVProgress], None]] = {}
         self._step_listeners: list[Callable[[], None]] = []
         self._failure_listeners: list[Callable[[str], None]] = []
         self._failure_told = False  # the failure listeners ran (event loop only)
+        self.kv_connector = AsyncKVConnector(
+            lambda fn: self._run_in_engine(lambda e: fn(SchedulerKVConnector(e))),
+            lambda: self.streams_kv_progress, self.add_step_listener)
 
     @property
     def healthy(self) -> bool:
@@ -203,7 +212,7 @@ class AsyncEngine:
     def _fail_waiting(self, error: str, failed: bool) -> None:
         """On the loop: an ERROR output for every open stream (a consumer stops at its first
         finished output, so one that already got its own final output ignores this one),
-        EngineDeadError for call_in_engine callers, then the failure listeners."""
+        EngineDeadError for _run_in_engine callers, then the failure listeners."""
         for rid, queue in list(self._queues.items()):
             queue.put_nowait(_error_output(rid, error))
         for future in list(self._waiters):
@@ -243,11 +252,13 @@ class AsyncEngine:
         return lambda: self._step_listeners.remove(fn) if fn in self._step_listeners else None
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, **kw: Any) -> AsyncIterator[RequestOutput]:
-        """Incremental outputs until one with `finished`; kw go to LLMEngine.add_request
-        (hold_kv, prefilled, arrival_time). `on_kv_progress=fn` (with hold_kv) streams the
-        prompt's KV: fn(KVProgress) is called on the loop as full blocks are computed.
-        Raises ValueError for an invalid request and EngineDeadError when the engine is down."""
+                       params: SamplingParams, kv: KVRequestOptions | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
+        """Incremental outputs until one with `finished`. `kv` makes it a P/D request: HOLD
+        keeps its blocks (and `kv.on_progress`, where the engine streams KV progress, is
+        called on the loop as full prompt blocks are computed); AWAIT_REMOTE waits for
+        `kv_connector.adopt`. Raises ValueError for an invalid request and EngineDeadError
+        when the engine is down."""
         if self.engine is None:
             raise EngineDeadError("the engine is not started")
         self.engine.validate(prompt_token_ids, params)
@@ -255,13 +266,14 @@ class AsyncEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue
-        listener = kw.pop("on_kv_progress", None)
-        if listener is not None and self.streams_kv_progress:
-            self._kv_listeners[request_id] = listener
-            kw["stream_kv"] = True
+        stream_kv = kv is not None and kv.on_progress is not None and self.streams_kv_progress
+        if stream_kv:
+            assert kv is not None and kv.on_progress is not None
+            self._kv_listeners[request_id] = kv.on_progress
         finished = False
         try:
-            self._submit(lambda e: self._add(e, request_id, list(prompt_token_ids), params, kw))
+            self._submit(lambda e: self._add(e, request_id, list(prompt_token_ids), params, kv,
+                                             stream_kv))
             while not finished:
                 out = await queue.get()
                 finished = out.finished
@@ -273,9 +285,12 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def _add(self, engine: LLMEngine, request_id: str, prompt: list[int],
-             params: SamplingParams, kw: dict[str, Any]) -> None:
+             params: SamplingParams, kv: KVRequestOptions | None, stream_kv: bool) -> None:
+        role = kv.role if kv is not None else None
         try:
-            engine.add_request(request_id, prompt, params, **kw)
+            engine.add_request(request_id, prompt, params, hold_kv=role is KVRole.HOLD,
+                               wait_for_remote_kv=role is KVRole.AWAIT_REMOTE,
+                               stream_kv=stream_kv)
         except Exception as exc:  # noqa: BLE001 - reported to this request only
             self._deliver([_error_output(request_id, str(exc), prompt)])
 
@@ -287,8 +302,9 @@ class AsyncEngine:
         except EngineDeadError:
             pass
 
-    async def call_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run fn(engine) on the engine thread between steps and return its result."""
+    async def _run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run fn(engine) on the engine thread between steps and return its result (the
+        KV connector's transport; services go through `kv_connector`'s typed methods)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 

@@ -13,7 +13,8 @@ import pytest
 from bench_fake_server import KV_BYTES, PHASES, FakeOpenAI, serve
 
 from services.bench import runner
-from services.bench.config import BenchConfig, Endpoint
+from services.bench.config import BenchConfig
+from shared.protocol.pd import ApiKind
 
 ROOT = Path(__file__).resolve().parents[2]
 # matplotlib is the optional `bench` extra: without it --plot must fail clearly, after the JSON
@@ -144,7 +145,7 @@ async def test_no_tokenizer_and_no_usage_fall_back() -> None:
 async def test_chat_ttft_waits_for_text_not_the_role_chunk() -> None:
     fake = FakeOpenAI(token_delay_s=0.05)
     async with serve(fake) as url:
-        result = await runner.bench(config(url, endpoint=Endpoint.CHAT, input_len=4,
+        result = await runner.bench(config(url, endpoint=ApiKind.CHAT, input_len=4,
                                            output_len=2, num_prompts=1))
     (record,) = result.records
     # the role chunk comes at once; the first text chunk only after one token delay

@@ -16,7 +16,6 @@ from services.bench.config import (
     BenchConfig,
     DatasetKind,
     DatasetSpec,
-    Endpoint,
     PromptFormat,
     parse_goodput,
     parse_percentiles,
@@ -24,6 +23,7 @@ from services.bench.config import (
 )
 from services.bench.datasets import DatasetError, build_prompts, read_jsonl
 from services.bench.runner import arrival_offsets
+from shared.protocol.pd import ApiKind
 
 
 class WordCodec:
@@ -52,7 +52,7 @@ async def test_random_ids_and_text_have_the_requested_length() -> None:
     assert all(p.output_len == 5 for p in ids)
     again = await build_prompts(cfg(input_len=37, output_len=5, num_prompts=4, seed=3), codec)
     assert [p.prompt for p in again] == [p.prompt for p in ids]  # seeded
-    chat = await build_prompts(cfg(input_len=37, num_prompts=3, endpoint=Endpoint.CHAT), codec)
+    chat = await build_prompts(cfg(input_len=37, num_prompts=3, endpoint=ApiKind.CHAT), codec)
     for p in chat:
         assert isinstance(p.prompt, str)
         assert len(await codec.encode(p.prompt)) == p.prompt_len == 37
@@ -86,7 +86,7 @@ async def test_jsonl_dataset(tmp_path: Path) -> None:
     prompts = await build_prompts(cfg(dataset=spec, output_len=9, num_prompts=3), codec)
     assert [(p.prompt, p.prompt_len, p.output_len) for p in prompts] == [
         ("alpha beta gamma", 3, 9), ([5, 6], 2, 3), ("alpha beta gamma", 3, 9)]
-    chat = await build_prompts(cfg(dataset=spec, endpoint=Endpoint.CHAT), codec)
+    chat = await build_prompts(cfg(dataset=spec, endpoint=ApiKind.CHAT), codec)
     assert all(isinstance(p.prompt, str) for p in chat) and len(chat) == 2
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')

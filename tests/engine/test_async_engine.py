@@ -1,5 +1,5 @@
 """AsyncEngine: concurrent streams equal offline generation, aborts and consumer
-cancellation free blocks within a step, call_in_engine, idle without spinning, and a dead
+cancellation free blocks within a step, the KV connector, idle without spinning, and a dead
 engine thread turns in-flight requests into ERROR outputs instead of hangs."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from engine_helpers import random_prompts, run_engine
 
 from shared.config import EngineConfig
 from shared.engine import AsyncEngine, EngineDeadError, FinishReason, SamplingParams
+from shared.engine.kv_connector import KVRequestOptions
 
 PROMPTS = random_prompts([4, 18, 9, 33, 2, 25], seed=21)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -95,15 +96,15 @@ async def test_consumer_cancellation_and_early_exit_abort(engine):
     await wait_for(lambda: all_free(engine))
 
 
-async def test_call_in_engine_and_held_kv(engine):
-    outs = [o async for o in engine.generate("h", PROMPTS[3], GREEDY, hold_kv=True)]
+async def test_kv_connector_and_held_kv(engine):
+    outs = [o async for o in engine.generate("h", PROMPTS[3], GREEDY, KVRequestOptions.hold())]
     assert outs[-1].finished
-    held = await engine.call_in_engine(lambda e: e.held_block_ids("h"))
+    held = await engine.kv_connector.held_block_ids("h")
     assert len(held) == 3 and engine.stats().num_held_blocks == 3
-    assert await engine.call_in_engine(lambda e: e.release_held("h"))
+    assert await engine.kv_connector.release_held("h")
     await wait_for(lambda: engine.stats().num_held_blocks == 0 and all_free(engine))
-    with pytest.raises(ZeroDivisionError):
-        await engine.call_in_engine(lambda e: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # a failing engine-thread call reaches its caller
+        await engine._run_in_engine(lambda e: 1 / 0)
     assert engine.healthy
 
 
@@ -158,7 +159,7 @@ async def test_shutdown_aborts_streams_and_refuses_new_work(small_ckpt):
     rest = [out async for out in gen]
     assert rest[-1].finish_reason == FinishReason.ABORT and not eng.healthy
     with pytest.raises(EngineDeadError):
-        await eng.call_in_engine(lambda e: 1)
+        await eng._run_in_engine(lambda e: 1)
     eng.abort("s")  # never raises
     await eng.start()  # a restart reloads and gets a new id
     assert eng.healthy and eng.engine_id != first_id

@@ -83,7 +83,7 @@ async def test_a_failed_step_fails_every_request_and_the_engine(engine, caplog) 
     with pytest.raises(EngineDeadError, match="injected step failure"):
         await last_output(engine, "late", PROMPTS[0], LONG)
     with pytest.raises(EngineDeadError):
-        await engine.call_in_engine(lambda e: 1)
+        await engine.kv_connector.held_block_ids("any")
     await asyncio.sleep(0)
     assert told == [engine.failure]  # once
     late: list[str] = []

@@ -16,8 +16,10 @@ from services.kv_transfer.app import start_server
 from services.kv_transfer.config import KVTransferConfig
 from services.kv_transfer.service import KVTransferService
 from services.kv_transfer.store import EngineBlockStore
+from services.kv_transfer.transfer import PulledKV
 from shared.config import EngineConfig
 from shared.engine.async_engine import AsyncEngine
+from shared.engine.kv_connector import AdoptOutcome, KVRequestOptions
 from shared.engine.request import PrefilledKV
 from shared.engine.sampling_params import SamplingParams
 from shared.protocol.compat import ModelKVSpec
@@ -33,16 +35,32 @@ class Worker:
     def __init__(self, engine: AsyncEngine, service: KVTransferService, runner) -> None:
         self.engine, self.service, self.runner = engine, service, runner
 
-    async def run(self, request_id: str, max_tokens: int, **kw) -> list[int]:
+    async def run(self, request_id: str, max_tokens: int,
+                  kv: KVRequestOptions | None = None) -> list[int]:
         params = SamplingParams(max_tokens=max_tokens, **GREEDY)
         final = None
-        async for out in self.engine.generate(request_id, PROMPT, params, **kw):
+        async for out in self.engine.generate(request_id, PROMPT, params, kv):
             final = out
         assert final is not None and final.error is None, final
         return final.token_ids
 
+    async def decode(self, request_id: str, max_tokens: int, kv: PulledKV) -> list[int]:
+        """The decode leg's flow: a request waits for remote KV, then adopts `kv`."""
+        params = SamplingParams(max_tokens=max_tokens, **GREEDY)
+        stream = self.engine.generate(request_id, PROMPT, params, KVRequestOptions.await_remote())
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)  # the request is submitted before the adoption (FIFO commands)
+        adopted = await self.engine.kv_connector.adopt(request_id, PrefilledKV(
+            tuple(kv.block_ids), kv.num_tokens, kv.first_token.token_id))
+        assert adopted.outcome is AdoptOutcome.ADOPTED, adopted
+        final = await first
+        async for out in stream:
+            final = out
+        assert final.finished and final.error is None, final
+        return final.token_ids
+
     async def blocks(self) -> tuple[int, int, int]:
-        s = await self.engine.call_in_engine(lambda e: e.stats())
+        s = await self.engine._run_in_engine(lambda e: e.stats())  # fresh, not the snapshot
         return s.num_total_blocks - s.num_free_blocks, s.num_held_blocks, s.num_running
 
 
@@ -50,11 +68,11 @@ async def start_worker(ckpt: Path, role: str, mode: str) -> Worker:
     cfg = EngineConfig(model=str(ckpt), kv_cache_memory_bytes=8 << 20, num_threads=1)
     engine = AsyncEngine(cfg)
     await engine.start()
-    kv_cache = await engine.call_in_engine(lambda e: e.runner.kv_cache)
     spec = ModelKVSpec.from_model("small-random", engine.fingerprint, cfg,
                                   engine.model_config)
     kv_cfg = KVTransferConfig(role=role, mode=mode, port=0)
-    service = KVTransferService(kv_cfg, spec, EngineBlockStore(engine, kv_cache),
+    service = KVTransferService(kv_cfg, spec, EngineBlockStore(engine.kv_connector,
+                                                             await engine.kv_connector.cache_view()),
                                 CollectorRegistry())
     return Worker(engine, service, await start_server(kv_cfg, service))
 
@@ -74,8 +92,8 @@ async def workers(ckpt: Path):
 
 
 async def prefill(p: Worker, request_id: str) -> tuple[int, list[int]]:
-    first = (await p.run(request_id, 1, hold_kv=True))[0]
-    held = await p.engine.call_in_engine(lambda e: e.held_block_ids(request_id))
+    first = (await p.run(request_id, 1, KVRequestOptions.hold()))[0]
+    held = await p.engine.kv_connector.held_block_ids(request_id)
     assert held is not None
     return first, held
 
@@ -86,8 +104,7 @@ async def test_pull_pd_equals_mixed(workers) -> None:
     first, held = await prefill(p, "req")
     params = await p.service.pull.offer("req", held, len(PROMPT), TokenLogprobWire(first))
     kv = await d.service.pull.fetch(params)
-    tokens = await d.run("req", 8, prefilled=PrefilledKV(tuple(kv.block_ids), kv.num_tokens,
-                                                         kv.first_token.token_id))
+    tokens = await d.decode("req", 8, kv)
     assert tokens == mixed
     await asyncio.gather(p.service.ctx.drain(), d.service.ctx.drain())
     await p.service.ctx.drain()
@@ -102,8 +119,7 @@ async def test_push_pd_equals_mixed(workers) -> None:
     first, held = await prefill(p, "req")
     await p.service.push.send("t1", "req", held, len(PROMPT), TokenLogprobWire(first))
     kv = await receive
-    tokens = await d.run("req", 8, prefilled=PrefilledKV(tuple(kv.block_ids), kv.num_tokens,
-                                                         kv.first_token.token_id))
+    tokens = await d.decode("req", 8, kv)
     assert tokens == mixed
     await asyncio.gather(p.service.ctx.drain(), d.service.ctx.drain())
     assert await p.blocks() == (0, 0, 0) and await d.blocks() == (0, 0, 0)

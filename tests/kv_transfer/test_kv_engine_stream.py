@@ -22,10 +22,10 @@ from services.kv_transfer.app import start_server
 from services.kv_transfer.config import KVTransferConfig
 from services.kv_transfer.service import KVTransferService
 from services.kv_transfer.store import EngineBlockStore, InMemoryBlockStore, block_major
-from services.worker.kv_link import reap_on_engine_steps
 from shared.config import EngineConfig
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import LLMEngine
+from shared.engine.kv_connector import KVRequestOptions
 from shared.engine.sampling_params import SamplingParams
 from shared.protocol.compat import ModelKVSpec
 from shared.protocol.messages import TokenLogprobWire
@@ -149,17 +149,17 @@ async def test_async_engine_delivers_progress_and_reaps_leases_every_step(
     await engine.start()
     now = [0.0]
     try:
-        kv_cache = await engine.call_in_engine(lambda e: e.runner.kv_cache)
+        connector = engine.kv_connector
+        store = EngineBlockStore(connector, await connector.cache_view())
         service = KVTransferService(KVTransferConfig(role="prefill", port=0),
-                                    spec_of(engine, cfg), EngineBlockStore(engine, kv_cache),
+                                    spec_of(engine, cfg), store,
                                     CollectorRegistry(), clock=lambda: now[0])
-        detach = reap_on_engine_steps(engine, service)
-        assert detach is not None
+        detach = connector.add_step_listener(service.transfer.reap)
         reports = []
-        async for out in engine.generate("held", PROMPT, ONE_TOKEN, hold_kv=True,
-                                         on_kv_progress=reports.append):
+        async for out in engine.generate("held", PROMPT, ONE_TOKEN,
+                                         KVRequestOptions.hold(on_progress=reports.append)):
             first = out.token_ids[0] if out.finished else None
-        held = await engine.call_in_engine(lambda e: e.held_block_ids("held"))
+        held = await connector.held_block_ids("held")
         assert [len(r.block_ids) for r in reports][-1] == 8 and held is not None
         await service.pull.offer("held", held, len(PROMPT), TokenLogprobWire(first or 0))
         now[0] = 1000.0  # the lease ran out; no timer runs (the service is not started)
@@ -168,7 +168,7 @@ async def test_async_engine_delivers_progress_and_reaps_leases_every_step(
             pass
         assert service.pull.source.leases.status("held").state == "expired"
         await service.ctx.drain()
-        assert (await engine.call_in_engine(lambda e: e.stats())).num_held_blocks == 0
+        assert (await engine._run_in_engine(lambda e: e.stats())).num_held_blocks == 0
         detach()
     finally:
         await engine.shutdown()

@@ -12,9 +12,10 @@ import pytest
 
 from services.common.errors import ApiError
 from services.kv_transfer.config import KVTransferConfig
-from services.worker.config import WorkerConfig, WorkerRole
+from services.worker.config import WorkerConfig
 from services.worker.handoff import Handoff
-from services.worker.kv_params import PushDecodeLeg
+from shared.protocol.pd import PushDecodeParams
+from shared.protocol.pd import Role
 
 
 @pytest.mark.parametrize(("lease", "push"), [(30.0, 30.0), (2.0, 5.0), (60.0, 1.0), (0.1, 0.1)])
@@ -46,15 +47,15 @@ class StalledPush:
 async def test_waiting_decode_is_reclaimed_after_the_deadline_not_before() -> None:
     kv = KVTransferConfig(role="decode", mode="push", lease_seconds=0.2,
                           push_deadline_seconds=0.1)
-    config = WorkerConfig(role=WorkerRole.DECODE, kv=kv)
+    config = WorkerConfig(role=Role.DECODE, kv=kv)
     push = StalledPush()
     service = SimpleNamespace(transfer=push, push=push)
-    engine = SimpleNamespace(model_config=SimpleNamespace(vocab_size=100))
+    engine = SimpleNamespace(model_config=SimpleNamespace(vocab_size=100), kv_connector=None)
     handoff = Handoff(engine, SimpleNamespace(service=service), config)  # type: ignore[arg-type]
     assert handoff.reclaim_s == kv.reclaim_deadline_s
     start = time.monotonic()
     with pytest.raises(ApiError) as err:
-        await handoff._transfer(PushDecodeLeg("t", "127.0.0.1:1", None), 10)
+        await handoff._transfer(PushDecodeParams("t", "127.0.0.1", 1), 10)
     waited = time.monotonic() - start
     assert (err.value.status, err.value.code) == (504, "kv_reclaim_deadline")
     assert waited >= kv.lease_seconds and push.cancelled  # the transfer is stopped, not leaked

@@ -10,8 +10,9 @@ from pd_harness import SubprocessWorker, WorkerThread
 
 from services.cli import main as pdmesh
 from services.kv_transfer.config import KVTransferConfig
-from services.worker.config import KVLoadFailurePolicy, WorkerConfig, WorkerRole
+from services.worker.config import KVLoadFailurePolicy, WorkerConfig
 from shared.config import EngineConfig
+from shared.protocol.pd import Role
 
 MODEL = "tiny"
 SHORT_LEASE_S = 2.0
@@ -38,7 +39,7 @@ def worker_config(model: Path, role: str, mode: str = "pull", *, lease: float = 
     kv = None if role == "mixed" else KVTransferConfig(
         role=role, mode=mode, port=0, lease_seconds=lease, push_deadline_seconds=5.0,
         secret=secret)
-    return WorkerConfig(engine=engine_config(model, **engine), role=WorkerRole(role), kv=kv,
+    return WorkerConfig(engine=engine_config(model, **engine), role=Role(role), kv=kv,
                         served_model_names=(MODEL,), kv_load_failure_policy=policy)
 
 

@@ -26,7 +26,8 @@ from services.router.config import RouterConfig
 from services.router.errors import NoServableGroupError
 from services.router.pairing import Decision, Pairing
 from services.router.registry import WorkerRegistry
-from services.router.workers import Role, WorkerMetadata
+from services.router.workers import WorkerMetadata
+from shared.protocol.pd import Role
 
 COMPLETIONS = "/v1/completions"
 BODY = {"model": MODEL, "prompt": "Pairing check " * 6, "max_tokens": 4, "temperature": 0}

@@ -21,8 +21,9 @@ from pd_harness import (
 )
 
 from services.kv_transfer.config import KVTransferConfig
-from services.worker.config import WorkerConfig, WorkerRole
+from services.worker.config import WorkerConfig
 from shared.config import EngineConfig
+from shared.protocol.pd import Role
 
 MODEL, REQUESTS = SMOLLM2, SMOLLM2_REQUESTS
 
@@ -31,7 +32,7 @@ def config(role: str, mode: str = "pull") -> WorkerConfig:
     engine = EngineConfig(model=MODEL, dtype="float32", max_model_len=1024,
                           kv_cache_memory_bytes=64 << 20, num_threads=1)
     kv = None if role == "mixed" else KVTransferConfig(role=role, mode=mode, port=0)
-    return WorkerConfig(engine=engine, role=WorkerRole(role), kv=kv)
+    return WorkerConfig(engine=engine, role=Role(role), kv=kv)
 
 
 @pytest.fixture(scope="module")

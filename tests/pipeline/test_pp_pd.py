@@ -35,10 +35,11 @@ from pd_harness import (  # noqa: E402
 )
 
 from services.kv_transfer.config import KVTransferConfig  # noqa: E402
-from services.worker.config import WorkerConfig, WorkerRole  # noqa: E402
+from services.worker.config import WorkerConfig  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.protocol.codec import decode  # noqa: E402
 from shared.protocol.messages import ServiceInfo  # noqa: E402
+from shared.protocol.pd import Role  # noqa: E402
 
 MODEL = "tiny-pp"
 COMPLETIONS = "/v1/completions"
@@ -57,7 +58,7 @@ def local_worker(ckpt: Path, role: str, mode: str = "pull") -> WorkerThread:
     engine = EngineConfig(model=str(ckpt), kv_cache_memory_bytes=16 << 20, num_threads=1)
     kv = None if role == "mixed" else KVTransferConfig(role=role, mode=mode, port=0,
                                                        push_deadline_seconds=20.0)
-    return WorkerThread(WorkerConfig(engine=engine, role=WorkerRole(role), kv=kv,
+    return WorkerThread(WorkerConfig(engine=engine, role=Role(role), kv=kv,
                                      served_model_names=(MODEL,)))
 
 

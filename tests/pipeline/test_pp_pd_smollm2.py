@@ -26,10 +26,11 @@ from pd_harness import (
 )
 
 from services.kv_transfer.config import KVTransferConfig  # noqa: E402
-from services.worker.config import WorkerConfig, WorkerRole  # noqa: E402
+from services.worker.config import WorkerConfig  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.protocol.codec import decode  # noqa: E402
 from shared.protocol.messages import ServiceInfo  # noqa: E402
+from shared.protocol.pd import Role  # noqa: E402
 
 MODEL, REQUESTS = SMOLLM2, SMOLLM2_REQUESTS
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(280)]
@@ -39,7 +40,7 @@ def local(role: str) -> WorkerThread:
     engine = EngineConfig(model=MODEL, max_model_len=1024, kv_cache_memory_bytes=64 << 20,
                           num_threads=1)
     kv = None if role == "mixed" else KVTransferConfig(role=role, mode="pull", port=0)
-    return WorkerThread(WorkerConfig(engine=engine, role=WorkerRole(role), kv=kv))
+    return WorkerThread(WorkerConfig(engine=engine, role=Role(role), kv=kv))
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 from services.kv_transfer.config import KVTransferConfig
 from services.kv_transfer.service import stage_ranges_of
-from services.worker.config import WorkerConfig, WorkerRole, add_arguments
+from services.worker.config import WorkerConfig, add_arguments
 from shared.pipeline.config import PipelineConfig
 from shared.protocol.messages import NodeInfo
+from shared.protocol.pd import Role
 
 
 @given(st.integers(1, 64).flatmap(lambda n: st.tuples(st.just(n), st.integers(1, n))))
@@ -32,17 +33,17 @@ def prefill_kv() -> KVTransferConfig:
 
 
 def test_the_kv_service_gets_the_pipeline_size() -> None:
-    config = WorkerConfig(role=WorkerRole.PREFILL, kv=prefill_kv(),
+    config = WorkerConfig(role=Role.PREFILL, kv=prefill_kv(),
                           pipeline=PipelineConfig(pp_size=2))
     assert config.kv is not None and config.kv.pp_size == 2
-    single = WorkerConfig(role=WorkerRole.PREFILL, kv=prefill_kv())
+    single = WorkerConfig(role=Role.PREFILL, kv=prefill_kv())
     assert single.kv is not None and single.kv.pp_size == 1
 
 
 @pytest.mark.parametrize("partition", [(3, 1), (1, 3), (2, 1, 1), (1, 1, 2)])
 def test_an_uneven_partition_is_declared_as_the_engine_runs_it(partition) -> None:
     pipeline = PipelineConfig(pp_size=len(partition), layer_partition=partition)
-    config = WorkerConfig(role=WorkerRole.PREFILL, kv=prefill_kv(), pipeline=pipeline)
+    config = WorkerConfig(role=Role.PREFILL, kv=prefill_kv(), pipeline=pipeline)
     assert config.kv is not None and config.kv.layer_partition == partition
     node = NodeInfo("e", "prefill", "pull", 16, 8, 0, 4, config.kv.pp_size, "127.0.0.1", 1,
                     layer_ranges=stage_ranges_of(0, config.kv.layer_partition))

@@ -15,7 +15,8 @@ import yaml
 
 from services.cli import build_parser
 from services.commands import serve
-from services.worker.config import SUPPORTED_ROLES, WorkerRole
+from services.worker.config import SUPPORTED_ROLES
+from shared.protocol.pd import Role
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose.yaml"
@@ -101,7 +102,7 @@ def _parse(parser: argparse.ArgumentParser, command: list[str]) -> tuple[argpars
     pending = []
     if command[0] == "serve":
         known = _serve_flags()
-        pd_ready = WorkerRole.PREFILL in SUPPORTED_ROLES
+        pd_ready = Role.PREFILL in SUPPORTED_ROLES
         missing = {f: 1 for f in ("--transfer-mode", "--kv-port", "--kv-host",
                                   "--kv-advertise-host") if f not in known}
         if missing and not pd_ready:

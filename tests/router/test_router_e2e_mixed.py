@@ -12,8 +12,8 @@ from real_mesh import MODEL
 
 from services.router.app import create_app
 from services.router.config import RouterConfig
-from services.router.first_token import ApiKind
 from services.router.state import STATE_KEY
+from shared.protocol.pd import ApiKind
 
 # Generous: the first test of a session also waits for the shared fleet to load (see conftest).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]

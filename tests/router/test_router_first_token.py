@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import copy
 
-from services.router.first_token import ApiKind, FirstTokenSkipper, early_chunks
+from services.router.first_token import FirstTokenSkipper, early_chunks
 from services.router.legs import can_stream_first_token_early, decode_body, prefill_body
+from shared.protocol.pd import ApiKind
 
 CHAT_PREFILL = {"id": "p1", "created": 1, "model": "m", "choices": [
     {"index": 0, "message": {"role": "assistant", "content": "Hel"}, "finish_reason": "length",

@@ -18,7 +18,8 @@ from services.router.config import BreakerConfig, Policy
 from services.router.leases import LeaseReleaser
 from services.router.metrics import RouterMetrics
 from services.router.upstream import Upstream
-from services.router.workers import Role, Worker
+from services.router.workers import Worker
+from shared.protocol.pd import Role
 
 BODY = {"model": "fake-model", "prompt": "lease me", "max_tokens": 4}
 

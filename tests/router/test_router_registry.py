@@ -10,7 +10,8 @@ from pd_fakes import FakeWorker, expected_text
 
 from services.router.config import BreakerConfig
 from services.router.registry import WorkerRegistry
-from services.router.workers import MetadataError, Role, WorkerMetadata
+from services.router.workers import MetadataError, WorkerMetadata
+from shared.protocol.pd import Role
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 

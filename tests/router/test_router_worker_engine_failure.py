@@ -14,12 +14,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from services.router.app import create_app as create_router
 from services.router.config import RouterConfig
-from services.router.phases import PHASES_HEADER
 from services.router.state import STATE_KEY
 from services.worker.app import create_app as create_worker
 from services.worker.config import WorkerConfig
 from services.worker.routes import RUNTIME_KEY
 from shared.config import EngineConfig
+from shared.protocol.pd import PHASES_HEADER
 
 BOUND_S = 60.0
 BODY = {"model": "tiny", "prompt": "route me", "max_tokens": 4, "temperature": 0}

@@ -8,7 +8,8 @@ import pytest
 
 from services.common.middleware import ApiKeyAuth, api_prefix_predicate
 from services.common.units import parse_size
-from services.worker.config import KVLoadFailurePolicy, WorkerConfig, WorkerRole, add_arguments
+from services.worker.config import KVLoadFailurePolicy, WorkerConfig, add_arguments
+from shared.protocol.pd import Role
 
 
 def parse(argv: list[str], environ: dict[str, str] | None = None) -> WorkerConfig:
@@ -31,7 +32,7 @@ def test_flags_reach_engine_config() -> None:
     assert (c.port, c.max_body_size, c.max_queue, c.drain_grace_seconds) == (9000, 2**20, 3, 2.5)
     assert c.model_names == ("a", "b") and c.served_model_name == "a"
     assert c.admission_capacity == 7
-    assert c.role is WorkerRole.MIXED
+    assert c.role is Role.MIXED
 
 
 def test_quantization_flags() -> None:
@@ -62,18 +63,18 @@ def test_api_keys_flags_win_over_env() -> None:
 
 
 def test_roles_and_kv_flags() -> None:
-    assert {r.value for r in WorkerRole} == {"mixed", "prefill", "decode"}
+    assert {r.value for r in Role} == {"mixed", "prefill", "decode"}
     assert parse([]).kv is None and parse([]).transfer_mode is None
     c = parse(["--role", "decode", "--transfer-mode", "push", "--kv-port", "0", "--kv-host", "0.0.0.0",
                "--kv-lease-seconds", "5", "--kv-allow-incompatible",
                "--kv-load-failure-policy", "recompute"], {"PDMESH_KV_SECRET": "s" * 20})
-    assert c.role is WorkerRole.DECODE and c.kv is not None
+    assert c.role is Role.DECODE and c.kv is not None
     assert (c.kv.role, c.kv.mode, c.kv.port, c.kv.host) == ("decode", "push", 0, "0.0.0.0")
     assert c.kv.lease_seconds == 5 and c.kv.allow_incompatible and c.kv.secret == b"s" * 20
     assert c.kv_load_failure_policy is KVLoadFailurePolicy.RECOMPUTE and c.transfer_mode == "push"
     assert parse(["--role", "prefill"]).kv_load_failure_policy is KVLoadFailurePolicy.FAIL
     with pytest.raises(ValueError, match="needs KV-transfer settings"):
-        WorkerConfig(role=WorkerRole.PREFILL)
+        WorkerConfig(role=Role.PREFILL)
 
 
 @pytest.mark.parametrize("text,value", [("4096", 4096), ("256MiB", 256 * 2**20), ("4MB", 4 * 10**6),

@@ -137,7 +137,8 @@ class FakeEngine:
         return None, None, text
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, kv: Any = None) -> AsyncIterator[RequestOutput]:
+        assert kv is None, "the fake engine serves plain requests only"
         self.seen_params.append(params)
         metrics = RequestMetrics(arrival_time=time.monotonic())
         self.blocks[request_id] = -(-len(prompt_token_ids) // self.block_size)

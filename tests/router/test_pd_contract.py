@@ -1,0 +1,56 @@
+"""The P/D contract (shared.protocol.pd): each leg's params survive to_wire/from_wire, a newer
+version or an unknown field is refused, and what the router builds is what the worker parses."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from services.router.legs import pull_prefill_params, push_params
+from services.worker.kv_params import parse_kv_transfer_params
+from shared.protocol.codec import ProtocolError
+from shared.protocol.messages import TokenLogprobWire
+from shared.protocol.pd import (
+    PD_VERSION,
+    ApiKind,
+    PrefillLegParams,
+    PushDecodeParams,
+    PushOverlap,
+    PushPrefillResult,
+    TransferMode,
+)
+
+CASES = [
+    PrefillLegParams(),
+    PrefillLegParams(TransferMode.PUSH, "t-1", decode_engine_id="d"),
+    PushDecodeParams("t-1", "10.0.0.2", 7001, "p"),
+    PushPrefillResult("t-1", "p", "10.0.0.2", 7001, 45, 4096,
+                      TokenLogprobWire(5, -0.5, [5, 6], [-0.5, -1.5]), PushOverlap(3, 2, 0.25)),
+]
+
+
+@pytest.mark.parametrize("params", CASES, ids=lambda p: type(p).__name__)
+def test_round_trip(params) -> None:
+    wire = params.to_wire()
+    assert type(params).from_wire(wire) == params
+    assert type(params).from_wire({**wire, "pd_version": PD_VERSION}) == params
+    with pytest.raises(ProtocolError, match="pd_version"):
+        type(params).from_wire({**wire, "pd_version": PD_VERSION + 1})
+    with pytest.raises(ProtocolError, match="unknown"):
+        type(params).from_wire({**wire, "surprise": 1})
+
+
+def test_router_legs_are_what_the_worker_parses() -> None:
+    assert parse_kv_transfer_params(pull_prefill_params()) == PrefillLegParams()
+    prefill = SimpleNamespace(engine_id="p", kv_host="10.0.0.2", kv_port=7001)
+    to_p, to_d = push_params("t-1", prefill)  # type: ignore[arg-type]
+    assert parse_kv_transfer_params(to_p) == PrefillLegParams(TransferMode.PUSH, "t-1")
+    assert parse_kv_transfer_params(to_d) == PushDecodeParams("t-1", "10.0.0.2", 7001, "p")
+
+
+def test_api_kind_paths() -> None:
+    for kind in ApiKind:
+        assert ApiKind.from_path(kind.path) is kind
+    with pytest.raises(ValueError):
+        ApiKind.from_path("/v1/embeddings")
