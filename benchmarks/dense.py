@@ -135,7 +135,7 @@ def load_engine(model: str, threads: int, path: str) -> object:
         model_, model_config = load_model(model_dir, "bfloat16")
         if path == "dense":
             print(f"  accelerate_linears swapped {dense.accelerate_linears(model_)} linears")
-        engine = LLMEngine(config, model_, model_config, Tokenizer(model_dir))
+        engine = LLMEngine.from_model(config, model_, model_config, Tokenizer(model_dir))
     engine.warmup()
     return engine
 

@@ -28,7 +28,7 @@ from services.kv_transfer.service import KVTransferService
 from services.kv_transfer.store import EngineBlockStore
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient
-from shared.protocol.compat import ModelKVSpec
+from shared.engine.kv_spec import kv_spec_of
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,8 @@ class KVLink:
         # The served name (what clients and routers call the model) identifies it: paths to
         # the same weights differ between hosts, the fingerprint catches different weights
         # and the transforms what this worker does to them (quantisation).
-        spec = ModelKVSpec.from_model(config.served_model_name, engine.fingerprint,
-                                      config.engine, engine.model_config)
+        spec = kv_spec_of(config.served_model_name, engine.fingerprint, config.engine,
+                          engine.model_config)
         service = KVTransferService(kv_config, spec, store, registry)
         runner = await start_server(kv_config, service)
         node = service.identity.node

@@ -9,6 +9,7 @@ The P/D hooks (held KV, pre-allocated receiving blocks, prefilled requests, the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from shared.engine.kv_stream import KVProgress, KVStreamTracker
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.outputs import RequestOutput
 from shared.engine.request import PrefilledKV, Request, RequestStatus
-from shared.engine.runner import KV_DTYPES, CausalLM, KVGeometry, ModelRunner
+from shared.engine.runner import CacheRunner, CausalLM, KVGeometry, ModelRunner
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.model.config import ModelConfig
@@ -50,34 +51,32 @@ class EngineStats:
 class LLMEngine:
     """One model, one KV cache, one scheduler; not thread-safe (one engine thread owns it).
 
-    Build with `LLMEngine.from_config(config)` (resolves, loads, tokenizer) or directly from
-    already-built parts (tests). max_model_len is the checkpoint's limit (or the configured
-    one), capped by what the KV cache can hold and, without chunked prefill, by
-    max_num_batched_tokens, so that any single request always fits.
+    Build with `LLMEngine.from_config(config)` (resolves, loads, tokenizer), or
+    `from_model` from an already-built model (tests). The constructor takes the parts: the
+    runner that owns the KV cache and, optionally, how to build the scheduler over the
+    engine's block pool (a plain Scheduler by default); the pipeline engine passes its stage
+    and its lanes. max_model_len is the checkpoint's limit (or the configured one), capped by
+    what the KV cache can hold and, without chunked prefill, by max_num_batched_tokens, so
+    that any single request always fits.
     """
 
-    # Per-step KV progress of stream_kv requests (None: a subclass that skips __init__ and
-    # has its own step, e.g. the pipeline engine, which reports none).
+    # Per-step KV progress of stream_kv requests (None: an engine that reports none).
     kv_stream: KVStreamTracker | None = None
 
-    def __init__(self, config: EngineConfig, model: CausalLM, model_config: ModelConfig,
-                 tokenizer: Tokenizer, *, model_dir: Path | None = None,
-                 fingerprint: str = "") -> None:
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer: Tokenizer,
+                 runner: CacheRunner, *,
+                 make_scheduler: Callable[[KVCacheManager], Scheduler] | None = None,
+                 model_dir: Path | None = None, fingerprint: str = "") -> None:
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.model_dir, self.fingerprint = model_dir, fingerprint
-        geometry = KVGeometry(
-            num_layers=getattr(model, "num_local_layers", model_config.num_layers),
-            num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
-            block_size=config.block_size, dtype=KV_DTYPES[config.resolved_kv_dtype])
-        self.runner = ModelRunner(model, geometry, config, model_config.vocab_size)
+        self.runner = runner
         self.max_model_len = self._max_model_len()
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
+        self.kv = KVCacheManager(runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   enable_chunked_prefill=config.enable_chunked_prefill)
+        self.scheduler = make_scheduler(self.kv) if make_scheduler is not None else Scheduler(
+            self.kv, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill)
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len)
         self.kv_stream = KVStreamTracker(config.block_size)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
@@ -93,8 +92,22 @@ class LLMEngine:
         model, model_config = load_model(model_dir, config.dtype,
                                          quantization=_quant_config(config))
         _accelerate(model, config)
-        return cls(config, model, model_config, Tokenizer(model_dir), model_dir=model_dir,
-                   fingerprint=open_checkpoint(model_dir).fingerprint())
+        return cls.from_model(config, model, model_config, Tokenizer(model_dir),
+                              model_dir=model_dir,
+                              fingerprint=open_checkpoint(model_dir).fingerprint())
+
+    @classmethod
+    def from_model(cls, config: EngineConfig, model: CausalLM, model_config: ModelConfig,
+                   tokenizer: Tokenizer, *, model_dir: Path | None = None,
+                   fingerprint: str = "") -> LLMEngine:
+        """One process: a ModelRunner over `model` (and its own KV cache) and a Scheduler."""
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        geometry = KVGeometry.for_model(
+            config, model_config, getattr(model, "num_local_layers", model_config.num_layers))
+        return cls(config, model_config, tokenizer,
+                   ModelRunner(model, geometry, config, model_config.vocab_size),
+                   model_dir=model_dir, fingerprint=fingerprint)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -229,6 +242,8 @@ class LLMEngine:
         self.last_num_scheduled_tokens = batch.total_num_scheduled_tokens
         if batch.is_empty:
             return outputs
+        # An engine built on another runner (a pipeline stage) has its own step().
+        assert isinstance(self.runner, ModelRunner)
         result = self.runner.execute(batch)
         for i in result.non_finite:  # that request fails (before its blocks get cached)
             self.abort_request(batch.requests[i].request_id, RequestStatus.FINISHED_ERROR,

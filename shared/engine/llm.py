@@ -73,14 +73,18 @@ class LLM:
 
     `LLM(model=PATH_OR_NAME, dtype="float32"|"bfloat16", max_model_len=..., **EngineConfig
     fields)`. All prompts of a call are queued at once and run with continuous batching.
+    A subclass runs another engine by overriding `_build_engine`.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32",
                  max_model_len: int | None = None, **kwargs: Any) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len, **kwargs)
-        self.engine = LLMEngine.from_config(self.config)
+        self.engine = self._build_engine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
+
+    def _build_engine(self, config: EngineConfig) -> LLMEngine:
+        return LLMEngine.from_config(config)
 
     def generate(self, prompts: str | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,

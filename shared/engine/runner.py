@@ -20,6 +20,7 @@ from shared.engine.outputs import TokenLogprob
 from shared.engine.sampler import Sampler, SamplingTensors
 from shared.engine.scheduler import ScheduledBatch
 from shared.model.attention import AttentionMetadata
+from shared.model.config import ModelConfig
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -33,6 +34,16 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
+class CacheRunner(Protocol):
+    """What an engine holds its runner for outside `step()`: the paged KV cache (which the
+    KV-transfer service reads and writes) and its size. ModelRunner is one; so is a pipeline's
+    stage 0 (shared.pipeline.stage.StageModel), whose engine has its own step."""
+
+    kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    num_blocks: int
+    block_size: int
+
+
 @dataclass(frozen=True)
 class KVGeometry:
     """Shape of the cache, derived from the model and the memory budget."""
@@ -42,6 +53,20 @@ class KVGeometry:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+
+    @classmethod
+    def for_model(cls, config: EngineConfig, model_config: ModelConfig,
+                  num_layers: int | None = None) -> KVGeometry:
+        """The cache of `model_config` under `config`; num_layers: the layers this process
+        holds KV for (default: all of the model's)."""
+        return cls(num_layers=model_config.num_layers if num_layers is None else num_layers,
+                   num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
+                   block_size=config.block_size, dtype=KV_DTYPES[config.resolved_kv_dtype])
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
+        """[num_layers, 2, num_blocks, block_size, kv_heads, head_dim] (KV_LAYOUT)."""
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads,
+                self.head_dim)
 
     @property
     def bytes_per_block(self) -> int:
@@ -80,9 +105,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         # zeros, not empty: padded attention slots read block 0, and 0 * NaN garbage would
         # poison the softmax-weighted sum even where the mask gives weight 0.
-        self.kv_cache = torch.zeros(
-            geometry.num_layers, 2, self.num_blocks, geometry.block_size,
-            geometry.num_kv_heads, geometry.head_dim, dtype=geometry.dtype)
+        self.kv_cache = torch.zeros(geometry.cache_shape(self.num_blocks), dtype=geometry.dtype)
         self.sampler = Sampler(config.seed)
         # Test-only: when set, called with every batch before its forward, on the engine
         # thread. What it raises escapes the engine step exactly as a model failure would, so

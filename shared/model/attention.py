@@ -1,6 +1,6 @@
 """Paged attention in plain torch, and the metadata that describes one batch to it.
 
-KV cache layout ("kv layout" in the compatibility hash, `KV_LAYOUT`):
+KV cache layout ("kv layout" in the compatibility hash, `shared.protocol.layout.KV_LAYOUT`):
     one tensor per worker, `kv_cache[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`,
     where index 0 of dim 1 is K and 1 is V. A token at position p of a sequence lives in block
     `block_table[p // block_size]` at offset `p % block_size`; its flat slot is
@@ -19,8 +19,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-KV_LAYOUT = "L2NBHD"  # [layers, k/v, blocks, block_size, kv_heads, head_dim]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -421,16 +420,3 @@ def _canonical(name: str) -> str:
         if name.startswith(old):
             return new + name[len(old):]
     return name
-
-
-def load_model(model_dir: Path, dtype: torch.dtype | str,
-               layer_range: tuple[int, int] | None = None,
-               quantization: QuantConfig | str | None = None,
-               ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build and load a model (or one pipeline stage) from an HF checkpoint directory.
-
-    Same as `shared.model.loader.load_model`, re-exported here for the engine's convenience.
-    """
-    from shared.model.loader import load_model as _load
-
-    return _load(model_dir, dtype, layer_range, quantization)

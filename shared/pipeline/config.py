@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from shared.protocol.layout import even_layer_ranges
+
 
 def parse_partition(text: str | None) -> tuple[int, ...] | None:
     """'10,10,10' -> (10, 10, 10); None or '' -> None (even split). Raises ValueError."""
@@ -20,20 +22,6 @@ def parse_partition(text: str | None) -> tuple[int, ...] | None:
         raise ValueError(f"--pp-layer-partition must be comma-separated integers, got {text!r}"
                          ) from None
     return sizes
-
-
-def even_layer_ranges(start: int, end: int, parts: int) -> tuple[tuple[int, int], ...]:
-    """Layers [start, end) split into `parts` contiguous ranges, the remainder going to the
-    first ones (the default layout of every stage split, also what a KV peer assumes)."""
-    if parts < 1 or end - start < parts:
-        raise ValueError(f"cannot split layers [{start}, {end}) into {parts} non-empty stages")
-    base, extra = divmod(end - start, parts)
-    ranges, lo = [], start
-    for i in range(parts):
-        hi = lo + base + (1 if i < extra else 0)
-        ranges.append((lo, hi))
-        lo = hi
-    return tuple(ranges)
 
 
 @dataclass(frozen=True)

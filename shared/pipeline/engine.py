@@ -21,18 +21,15 @@ from __future__ import annotations
 
 import os
 from enum import Enum
-from pathlib import Path
 
 import torch
 
 from shared.config import EngineConfig
 from shared.engine.block_manager import KVCacheManager
 from shared.engine.engine import LLMEngine
-from shared.engine.kv_stream import KVStreamTracker
-from shared.engine.output_processor import OutputProcessor
 from shared.engine.outputs import RequestOutput, TokenLogprob
 from shared.engine.request import Request, RequestStatus
-from shared.engine.runner import KV_DTYPES, KVGeometry
+from shared.engine.runner import KVGeometry
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledBatch
 from shared.model.config import ModelConfig
@@ -57,11 +54,8 @@ class PipelineState(Enum):
 
 def allocate_shared_cache(config: EngineConfig, mc: ModelConfig) -> torch.Tensor:
     """Zeroed shared-memory KV cache over every layer, sized as a one-process engine's."""
-    geometry = KVGeometry(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-                          head_dim=mc.head_dim, block_size=config.block_size,
-                          dtype=KV_DTYPES[config.resolved_kv_dtype])
-    shape = (mc.num_layers, 2, geometry.num_blocks(config.kv_cache_memory_bytes),
-             config.block_size, mc.num_kv_heads, mc.head_dim)
+    geometry = KVGeometry.for_model(config, mc)
+    shape = geometry.cache_shape(geometry.num_blocks(config.kv_cache_memory_bytes))
     return torch.empty(shape, dtype=geometry.dtype).share_memory_().zero_()
 
 
@@ -69,11 +63,14 @@ class PipelineEngine(LLMEngine):
     """LLMEngine's interface (add_request, abort_request, step, has_unfinished_requests,
     has_work, stats, warmup, the P/D hooks) over a pipeline of `pipeline.pp_size` stages.
 
-    LLMEngine.__init__ is deliberately not called (it builds a one-process runner and cache);
-    `_init_engine_state` sets the same attributes. `runner.kv_cache` is the whole shared
-    cache, so the KV-transfer service reads a prefill's blocks of every layer from stage 0.
-    Call `close()` (or use it as a context manager) to stop the stage processes.
+    LLMEngine's constructor gets this engine's parts: stage 0 as the runner (its
+    `kv_cache` is the whole shared cache, so the KV-transfer service reads a prefill's blocks
+    of every layer from stage 0) and the lanes as the scheduler. Call `close()` (or use it as
+    a context manager) to stop the stage processes.
     """
+
+    runner: StageModel
+    scheduler: LaneScheduler  # type: ignore[assignment]  # the Scheduler surface, per lane
 
     def __init__(self, config: EngineConfig, pipeline: PipelineConfig,
                  hooks: PipelineHooks | None = None) -> None:
@@ -106,36 +103,28 @@ class PipelineEngine(LLMEngine):
             self.channel = StageChannel(0, pipeline.pp_size, hidden_size=ckpt.config.hidden_size,
                                         dtype=model.dtype, timeout_s=pipeline.step_timeout_s,
                                         counters=self.counters)
-            self._init_engine_state(config, ckpt.config, Tokenizer(model_dir), model_dir,
-                                    ckpt.fingerprint())
+            self.feed = MirrorFeed()
+            super().__init__(config, ckpt.config, Tokenizer(model_dir), self.stage,
+                             make_scheduler=self._make_lanes, model_dir=model_dir,
+                             fingerprint=ckpt.fingerprint())
+            assert self.kv_stream is not None  # LLMEngine's constructor builds one
+            self.kv_gate = StageKVGate(self.kv_stream)  # streamed blocks: final on every stage
         except BaseException:
             self._group.stop(graceful=False)
             raise
+        self._next_step = 0
+        self._idle_turns = 0  # consecutive lane turns that launched nothing
         self.state = PipelineState.RUNNING
 
-    def _init_engine_state(self, config: EngineConfig, model_config: ModelConfig,
-                           tokenizer: Tokenizer, model_dir: Path, fingerprint: str) -> None:
-        """The attributes LLMEngine.__init__ sets, with the pipeline's runner and scheduler."""
-        self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
-        self.model_dir, self.fingerprint = model_dir, fingerprint
-        self.runner = self.stage  # kv_cache, num_blocks, block_size
-        self.max_model_len = self._max_model_len()
-        self.kv = KVCacheManager(self.stage.num_blocks, config.block_size,
-                                 config.enable_prefix_caching)
-        self.feed = MirrorFeed()
-        self.scheduler = LaneScheduler(
-            self.kv, self.pipeline.pp_size, max_num_seqs=config.max_num_seqs,
+    def _make_lanes(self, kv: KVCacheManager) -> LaneScheduler:
+        """One lane per stage over the engine's block pool; a request that leaves also leaves
+        the sampling mirror. Called by LLMEngine's constructor (after it set `config`)."""
+        config = self.config
+        return LaneScheduler(
+            kv, self.pipeline.pp_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
             on_finish=lambda req: self.feed.release(req.request_id))
-        self.output_processor = OutputProcessor(tokenizer, self.max_model_len)
-        self.kv_stream = KVStreamTracker(config.block_size)
-        self.kv_gate = StageKVGate(self.kv_stream)  # streamed blocks: final on every stage
-        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
-        self.last_num_scheduled_tokens = 0
-        self._pending: list[RequestOutput] = []
-        self._next_step = 0
-        self._idle_turns = 0  # consecutive lane turns that launched nothing
 
     @classmethod
     def from_config(cls, config: EngineConfig,

@@ -67,9 +67,8 @@ class PipelineLLM(LLM):
     """`LLM` whose engine is a PipelineEngine (pp_size >= 2) or an LLMEngine (pp_size 1).
 
     Keyword arguments: pp_size, pp_layer_partition (e.g. (3, 1)), or a whole `pipeline`
-    PipelineConfig; `hooks` for tests; everything else is an EngineConfig field. LLM's
-    constructor is not called (it would load a one-process engine); the same attributes are
-    set here. Call `close()` or use it as a context manager to stop the stages.
+    PipelineConfig; `hooks` for tests; everything else is an EngineConfig field. Call
+    `close()` or use it as a context manager to stop the stages.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32",
@@ -77,13 +76,15 @@ class PipelineLLM(LLM):
                  pp_layer_partition: tuple[int, ...] | None = None,
                  pipeline: PipelineConfig | None = None, hooks: PipelineHooks | None = None,
                  **kwargs: Any) -> None:
-        self.config = EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len, **kwargs)
         self.pipeline = pipeline or PipelineConfig(pp_size=pp_size,
                                                    layer_partition=pp_layer_partition)
-        self.engine: LLMEngine = (PipelineEngine(self.config, self.pipeline, hooks)
-                                  if self.pipeline.enabled else LLMEngine.from_config(self.config))
-        self.tokenizer = self.engine.tokenizer
-        self._counter = 0
+        self.hooks = hooks
+        super().__init__(model, dtype, max_model_len, **kwargs)
+
+    def _build_engine(self, config: EngineConfig) -> LLMEngine:
+        if self.pipeline.enabled:
+            return PipelineEngine(config, self.pipeline, self.hooks)
+        return LLMEngine.from_config(config)
 
     def close(self) -> None:
         if isinstance(self.engine, PipelineEngine):

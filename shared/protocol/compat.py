@@ -12,26 +12,24 @@ does to those weights when it loads them. Both change the KV bytes a prompt prod
 
 The transfer mode is never passed by a call site: `CompatFactors.for_transfer` reads it from the
 transfer class's `mode` attribute, so the hash and the running code cannot disagree.
+
+This module is protocol only (standard library and msgpack): the spec of a loaded model is built
+from its ModelConfig and EngineConfig by `shared.engine.kv_spec`, next to the engine.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import msgpack
 
-from shared.model.attention import KV_LAYOUT
 from shared.protocol.codec import KV_PROTOCOL_VERSION
-
-if TYPE_CHECKING:
-    from shared.config import EngineConfig
-    from shared.model.config import ModelConfig
+from shared.protocol.layout import KV_LAYOUT
 
 RopeValue = str | int | float | bool | None
 
@@ -47,29 +45,13 @@ class WeightTransforms:
 
     This is the one place such transforms are listed: a new one (another quantisation scheme,
     an adapter merged at load, pruning...) becomes a field here whose default is "untouched",
-    set in `from_engine_config`. It then travels inside the `weight_transforms` factor, so a
-    handshake refusal names it and the router groups on it. Values are plain strings naming a
-    format, so the factor reads well in an error message.
+    set in `shared.engine.kv_spec.weight_transforms`. It then travels inside the
+    `weight_transforms` factor, so a handshake refusal names it and the router groups on it.
+    Values are plain strings naming a format, so the factor reads well in an error message.
     """
 
     quantization: str = "none"  # format of the decoder's linear layers: "none" | "mxfp4"
     lm_head: str = "dense"  # format of the LM head (it samples the prefill's first token)
-
-    @classmethod
-    def from_engine_config(cls, config: EngineConfig) -> WeightTransforms:
-        """What an engine built from `config` does to its weights.
-
-        Resolved as the engine resolves it (shared/engine/engine.py `_quant_config`): without
-        --quantize-lm-head the head follows the default of on-the-fly quantisation. A
-        pre-quantised checkpoint is covered by its fingerprint (its files differ).
-        """
-        from shared.model.quant import QuantConfig  # imports the kernels; only needed here
-
-        quant = QuantConfig.parse(config.quantization)
-        if quant is None:
-            return cls()
-        head = quant.method if (config.quantize_lm_head or quant.lm_head) else "dense"
-        return cls(quantization=str(quant.method), lm_head=str(head))
 
     def items(self) -> tuple[tuple[str, str], ...]:
         """Canonical (name, value) pairs, sorted: the factor's hashable form."""
@@ -82,7 +64,8 @@ class ModelKVSpec:
 
     `rope` is the checkpoint's RoPE configuration (theta, scaling type and factors...), kept as
     sorted (key, value) pairs so the dataclass stays hashable and canonical. `transforms` is
-    what the worker does to the weights at load time (untouched by default).
+    what the worker does to the weights at load time (untouched by default). Built from a
+    loaded model by `shared.engine.kv_spec.kv_spec_of`.
     """
 
     model_id: str
@@ -104,18 +87,6 @@ class ModelKVSpec:
             v = v.value if isinstance(v, Enum) else v
             return v if isinstance(v, str | int | float | bool) or v is None else repr(v)
         return tuple(sorted((str(k), scalar(v)) for k, v in rope.items()))
-
-    @classmethod
-    def from_model(cls, model_id: str, weights_fingerprint: str, engine: EngineConfig,
-                   config: ModelConfig) -> ModelKVSpec:
-        """The spec of a loaded model: ModelConfig carries geometry and RoPE, the engine's
-        configuration the dtypes and the weight transforms. Taking the whole EngineConfig
-        keeps the choice of what matters here, in one place, rather than at call sites."""
-        return cls(model_id=model_id, weights_fingerprint=weights_fingerprint,
-                   dtype=engine.dtype, kv_dtype=engine.resolved_kv_dtype,
-                   num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
-                   head_dim=config.head_dim, rope=cls.rope_items(dataclasses.asdict(config.rope)),
-                   transforms=WeightTransforms.from_engine_config(engine))
 
 
 @dataclass(frozen=True)

@@ -13,17 +13,14 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shared.pipeline.config import even_layer_ranges
 from shared.protocol.codec import Message, ProtocolError, from_fields, to_fields
+from shared.protocol.layout import LayerRange, even_layer_ranges
 
 TRANSFER_MODES = ("pull", "push")
 ROUTING_FLAGS = frozenset({"do_remote_prefill", "do_remote_decode"})  # vLLM-style hints
 ROLES = ("prefill", "decode")
 # Wire dtype names and their item sizes (shared.protocol.tensors maps them to torch dtypes).
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1, "int32": 4, "int64": 8}
-
-
-LayerRange = tuple[int, int]  # global decoder layers [start, end)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,8 @@ def test_native_engine_matches_plain_layers(tokenizer_dir: Path) -> None:
 
     plain_model, model_config = load_model(tokenizer_dir, "bfloat16")
     dense.accelerate_linears(plain_model)  # the same GEMVs, plain-torch everything else
-    plain = LLMEngine(_config(tokenizer_dir), plain_model, model_config, Tokenizer(tokenizer_dir))
+    plain = LLMEngine.from_model(_config(tokenizer_dir), plain_model, model_config,
+                                 Tokenizer(tokenizer_dir))
 
     prompts = [native.tokenizer.encode(p) for p in PROMPTS]
     got, want = _greedy(native, prompts), _greedy(plain, prompts)

@@ -11,6 +11,7 @@ import pytest
 from services.kv_transfer.pull import PullTransfer
 from services.kv_transfer.push import PushTransfer
 from shared.config import EngineConfig
+from shared.engine.kv_spec import kv_spec_of, weight_transforms
 from shared.protocol.codec import KV_PROTOCOL_VERSION
 from shared.protocol.compat import (
     CompatFactors,
@@ -104,7 +105,8 @@ def test_pipeline_layout_stays_out_of_the_hash() -> None:
 
 # Every EngineConfig field, by whether it changes the KV bytes a prompt produces. A new field
 # fails test_every_engine_setting_is_classified until it is put in one of these: a transform
-# of the weights goes into WeightTransforms (shared/protocol/compat.py) and HASHED.
+# of the weights goes into WeightTransforms (shared/protocol/compat.py, set in
+# shared/engine/kv_spec.py) and HASHED.
 HASHED = {  # field -> a value that must change the hash (from EngineConfig's defaults)
     "dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "quantization": "mxfp4",
     "quantize_lm_head": True,  # with quantization="mxfp4", against mxfp4 without the head
@@ -126,7 +128,7 @@ def model_config(ckpt: Path):
 
 
 def _hash(engine: EngineConfig, model_config) -> str:
-    spec = ModelKVSpec.from_model("m", "fp", engine, model_config)
+    spec = kv_spec_of("m", "fp", engine, model_config)
     return CompatFactors.for_transfer(spec, PullTransfer).hash
 
 
@@ -150,8 +152,8 @@ def test_settings_that_leave_kv_bytes_alone_leave_the_hash(name: str, model_conf
 
 
 def test_quantised_and_dense_workers_differ_in_one_named_factor(model_config) -> None:
-    dense = ModelKVSpec.from_model("m", "fp", EngineConfig(), model_config)
-    quant = ModelKVSpec.from_model("m", "fp", EngineConfig(quantization="mxfp4"), model_config)
+    dense = kv_spec_of("m", "fp", EngineConfig(), model_config)
+    quant = kv_spec_of("m", "fp", EngineConfig(quantization="mxfp4"), model_config)
     f, g = (CompatFactors.for_transfer(s, PullTransfer) for s in (dense, quant))
     assert f.hash != g.hash
     (diff,) = diff_factors(f, g.to_wire())
@@ -173,4 +175,4 @@ def test_weight_transforms_say_what_the_engine_loaded(ckpt: Path, quantization: 
     loaded = WeightTransforms(quantization="mxfp4" if decoder_quantised else "none",
                               lm_head="mxfp4" if isinstance(model.lm_head, MXFP4Linear)
                               else "dense")
-    assert WeightTransforms.from_engine_config(config) == loaded
+    assert weight_transforms(config) == loaded

@@ -20,9 +20,9 @@ from services.kv_transfer.transfer import PulledKV
 from shared.config import EngineConfig
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.kv_connector import AdoptOutcome, KVRequestOptions
+from shared.engine.kv_spec import kv_spec_of
 from shared.engine.request import PrefilledKV
 from shared.engine.sampling_params import SamplingParams
-from shared.protocol.compat import ModelKVSpec
 from shared.protocol.messages import TokenLogprobWire
 
 PROMPT = [(7 * i + 11) % 4000 + 3 for i in range(45)]  # 45 tokens: 3 blocks of 16, partial last
@@ -68,8 +68,7 @@ async def start_worker(ckpt: Path, role: str, mode: str) -> Worker:
     cfg = EngineConfig(model=str(ckpt), kv_cache_memory_bytes=8 << 20, num_threads=1)
     engine = AsyncEngine(cfg)
     await engine.start()
-    spec = ModelKVSpec.from_model("small-random", engine.fingerprint, cfg,
-                                  engine.model_config)
+    spec = kv_spec_of("small-random", engine.fingerprint, cfg, engine.model_config)
     kv_cfg = KVTransferConfig(role=role, mode=mode, port=0)
     service = KVTransferService(kv_cfg, spec, EngineBlockStore(engine.kv_connector,
                                                              await engine.kv_connector.cache_view()),

@@ -26,6 +26,7 @@ from shared.config import EngineConfig
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import LLMEngine
 from shared.engine.kv_connector import KVRequestOptions
+from shared.engine.kv_spec import kv_spec_of
 from shared.engine.sampling_params import SamplingParams
 from shared.protocol.compat import ModelKVSpec
 from shared.protocol.messages import TokenLogprobWire
@@ -41,8 +42,7 @@ def engine_config(ckpt: Path) -> EngineConfig:
 
 
 def spec_of(engine: LLMEngine | AsyncEngine, cfg: EngineConfig) -> ModelKVSpec:
-    return ModelKVSpec.from_model("small-random", engine.fingerprint, cfg,
-                                  engine.model_config)
+    return kv_spec_of("small-random", engine.fingerprint, cfg, engine.model_config)
 
 
 class DirectStore:

@@ -48,7 +48,7 @@ def replace_with_reference(model: LlamaForCausalLM, quantize_lm_head: bool) -> N
 
 def engine_from(model: LlamaForCausalLM, tokenizer_dir, dtype: str = "float32") -> LLMEngine:
     config = EngineConfig(model=str(tokenizer_dir), dtype=dtype, **ENGINE)  # type: ignore[arg-type]
-    return LLMEngine(config, model, model.config, Tokenizer(tokenizer_dir))
+    return LLMEngine.from_model(config, model, model.config, Tokenizer(tokenizer_dir))
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 32) -> list[list[int]]:

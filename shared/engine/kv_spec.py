@@ -1,0 +1,42 @@
+"""The KV spec of a loaded model: what its KV bytes mean, for the compat hash.
+
+shared/protocol/compat.py holds the spec as plain values (the protocol layer imports neither
+torch nor the model); this module reads those values off the configurations an engine is built
+from, so the choice of what matters lives in one place rather than at call sites.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shared.config import EngineConfig
+from shared.model.config import ModelConfig
+from shared.protocol.compat import ModelKVSpec, WeightTransforms
+
+
+def weight_transforms(config: EngineConfig) -> WeightTransforms:
+    """What an engine built from `config` does to its weights.
+
+    Resolved as the engine resolves it (shared/engine/engine.py `_quant_config`): without
+    --quantize-lm-head the head follows the default of on-the-fly quantisation. A
+    pre-quantised checkpoint is covered by its fingerprint (its files differ).
+    """
+    from shared.model.quant import QuantConfig  # imports the kernels; only needed here
+
+    quant = QuantConfig.parse(config.quantization)
+    if quant is None:
+        return WeightTransforms()
+    head = quant.method if (config.quantize_lm_head or quant.lm_head) else "dense"
+    return WeightTransforms(quantization=str(quant.method), lm_head=str(head))
+
+
+def kv_spec_of(model_id: str, weights_fingerprint: str, engine: EngineConfig,
+               config: ModelConfig) -> ModelKVSpec:
+    """The spec of a loaded model: ModelConfig carries geometry and RoPE, the engine's
+    configuration the dtypes and the weight transforms."""
+    return ModelKVSpec(model_id=model_id, weights_fingerprint=weights_fingerprint,
+                       dtype=engine.dtype, kv_dtype=engine.resolved_kv_dtype,
+                       num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+                       head_dim=config.head_dim,
+                       rope=ModelKVSpec.rope_items(dataclasses.asdict(config.rope)),
+                       transforms=weight_transforms(engine))
