@@ -1,21 +1,47 @@
 """Engine configuration: frozen dataclasses built once (from CLI flags or kwargs) and passed down.
 
 Nothing below `services/*/__main__` or `services/cli` reads environment variables; they are
-folded in here by `EngineConfig.from_env_defaults` and by the CLI parsers.
+read here (`PDMESH_CACHE`, `PDMESH_KERNEL_TIER`), at configuration time, and by the CLI parsers.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from kernels.tier import Tier
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
+KERNEL_TIER_ENV = "PDMESH_KERNEL_TIER"
 
 
 def default_cache_dir() -> Path:
     """`PDMESH_CACHE`, else ~/.cache/pdmesh. Read here, at configuration time only."""
     return Path(os.environ.get("PDMESH_CACHE") or Path.home() / ".cache" / "pdmesh")
+
+
+def parse_kernel_tier(name: str) -> str:
+    """'auto' or a kernels.tier.Tier label, normalised ('AVX2 ' -> 'avx2'); ValueError naming
+    the choices (kernels.tier.TIER_CHOICES) for anything else."""
+    name = name.strip().lower()
+    return "auto" if name == "auto" else Tier.parse(name).label
+
+
+def kernel_tier_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """`PDMESH_KERNEL_TIER` (default os.environ), normalised; 'auto' when unset or empty.
+
+    The cap on the kernel tier (kernels/tier.py): a machine of one CPU kind runs the code paths
+    of lower kinds with it. An invalid value raises ValueError naming the variable and choices.
+    """
+    raw = (os.environ if environ is None else environ).get(KERNEL_TIER_ENV, "")
+    if not raw.strip():
+        return "auto"
+    try:
+        return parse_kernel_tier(raw)
+    except ValueError as exc:
+        raise ValueError(f"{KERNEL_TIER_ENV}={raw!r}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -41,8 +67,12 @@ class EngineConfig:
     quantize_lm_head: bool = False  # with quantization: the (tied) LM head too
     seed: int = 0
     cache_dir: Path | None = None  # None: default_cache_dir()
+    # The highest kernel tier automatic dispatch may pick ("auto": the CPU's best). Defaults to
+    # PDMESH_KERNEL_TIER so that every engine of the process (serve, LLM, benchmarks) honours it.
+    kernel_tier: str = field(default_factory=kernel_tier_from_env)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kernel_tier", parse_kernel_tier(self.kernel_tier))
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):

@@ -2,7 +2,8 @@
 embedded model's tokenizer directory, and random-weight checkpoints written once per spec.
 
 Engines in tests run on 1 thread (fast and stable on a busy 2-core box); EngineConfig's
-num_threads sets torch's process-wide count, so each test puts it back.
+num_threads sets torch's process-wide count, so each test puts it back, and likewise the
+kernel-tier cap.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.tier import set_max_tier
+from shared.config import kernel_tier_from_env
 from shared.model.make_model import ModelSpec, write_checkpoint
 from shared.model.registry import resolve_model
 
@@ -22,6 +25,15 @@ def _restore_torch_threads() -> Iterator[None]:
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _restore_kernel_tier() -> Iterator[None]:
+    """Building an engine sets the process-wide kernel-tier cap (EngineConfig.kernel_tier);
+    each test starts from the session's own: PDMESH_KERNEL_TIER, else auto. Running the suite
+    with PDMESH_KERNEL_TIER=reference (or avx2...) thus caps every default kernel lookup too."""
+    set_max_tier(kernel_tier_from_env())
+    yield
 
 
 @pytest.fixture(scope="session")

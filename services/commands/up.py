@@ -14,6 +14,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"  # shared.config.DEFAULT_MODEL, without 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kernels.tier import TIER_CHOICES  # light: no torch
+
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
     parser.add_argument("--decode", type=int, default=1, metavar="N", help="decode workers")
@@ -34,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="workers' log level (their access logs are at INFO)")
     parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="extra argument for the router (repeatable)")
+    parser.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
+                        help="every worker's --kernel-tier (default: $PDMESH_KERNEL_TIER, which "
+                             "the workers inherit, else auto)")
 
 
 def _free_port(host: str, start: int, taken: set[int]) -> int:
@@ -57,6 +62,8 @@ def worker_flags(role: str, args: argparse.Namespace, port: int, kv_port: int,
              "--threads", str(threads), "--log-level", args.worker_log_level]
     if role != "mixed":
         flags += ["--transfer-mode", args.transfer_mode, "--kv-port", str(kv_port)]
+    if getattr(args, "kernel_tier", None):
+        flags += ["--kernel-tier", args.kernel_tier]
     return flags
 
 
@@ -135,7 +142,10 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import os
 
+    from shared.config import kernel_tier_from_env
+
     try:
+        kernel_tier_from_env(os.environ)  # the workers inherit it: refuse a bad one up front
         specs, url = plan(args, os.cpu_count() or 1)
     except (ValueError, RuntimeError) as exc:
         print(f"pdmesh up: {exc}", file=sys.stderr)

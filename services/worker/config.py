@@ -12,10 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kernels.tier import TIER_CHOICES
 from services.common.units import parse_size
 from services.kv_transfer.config import KVTransferConfig
 from services.kv_transfer.config import add_arguments as add_kv_arguments
-from shared.config import DEFAULT_MODEL, EngineConfig
+from shared.config import DEFAULT_MODEL, KERNEL_TIER_ENV, EngineConfig, kernel_tier_from_env
 from shared.pipeline import config as pipeline_config
 from shared.pipeline.config import PipelineConfig
 
@@ -111,8 +112,9 @@ class WorkerConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str]) -> WorkerConfig:
-        """Flags win; `PDMESH_API_KEY` (comma separated) is used only when no --api-key is given.
-        `PDMESH_KV_SECRET` is read by KVTransferConfig.from_args from the same mapping."""
+        """Flags win; `PDMESH_API_KEY` (comma separated) is used only when no --api-key is given,
+        `PDMESH_KERNEL_TIER` only when no --kernel-tier is. `PDMESH_KV_SECRET` is read by
+        KVTransferConfig.from_args from the same mapping."""
         keys = tuple(args.api_key or ())
         if not keys:
             keys = tuple(k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip())
@@ -130,6 +132,8 @@ class WorkerConfig:
             quantization=args.quantization,
             quantize_lm_head=args.quantize_lm_head,
             seed=args.seed,
+            kernel_tier=(args.kernel_tier if args.kernel_tier is not None
+                         else kernel_tier_from_env(environ)),
         )
         role = WorkerRole(args.role)
         kv = None if role is WorkerRole.MIXED else KVTransferConfig.from_args(args, role.value, environ)
@@ -152,8 +156,9 @@ class WorkerConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pdmesh serve` / `python -m services.worker`."""
     pipeline_config.add_arguments(parser)
-    d = EngineConfig()
-    w = WorkerConfig()
+    # kernel_tier given: the defaults shown in --help must not depend on (or fail with) the env.
+    d = EngineConfig(kernel_tier="auto")
+    w = WorkerConfig(engine=d)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model name, HF directory or GGUF file")
     parser.add_argument("--role", default="mixed", choices=[r.value for r in WorkerRole],
                         help="mixed (whole requests), prefill or decode (P/D legs + KV service)")
@@ -182,6 +187,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="with --quantization: the (tied) LM head too (faster decode, higher "
                           "perplexity; see kernels/README.md)")
     eng.add_argument("--seed", type=int, default=d.seed)
+    eng.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
+                     help=f"highest native kernel tier to use (default: ${KERNEL_TIER_ENV}, "
+                          "else auto: the fastest this CPU runs); see `pdmesh doctor`")
     add_kv_arguments(parser)
     parser.add_argument("--kv-load-failure-policy", default=KVLoadFailurePolicy.FAIL.value,
                         choices=[p.value for p in KVLoadFailurePolicy],

@@ -6,9 +6,11 @@ import argparse
 
 import pytest
 
+from kernels.tier import TIER_CHOICES
 from services.common.middleware import ApiKeyAuth, api_prefix_predicate
 from services.common.units import parse_size
 from services.worker.config import KVLoadFailurePolicy, WorkerConfig, WorkerRole, add_arguments
+from shared.config import EngineConfig
 
 
 def parse(argv: list[str], environ: dict[str, str] | None = None) -> WorkerConfig:
@@ -52,6 +54,56 @@ def test_defaults() -> None:
 def test_api_keys_flags_win_over_env() -> None:
     assert parse([], {"PDMESH_API_KEY": "x, y,"}).api_keys == ("x", "y")
     assert parse(["--api-key", "a", "--api-key", "b"], {"PDMESH_API_KEY": "x"}).api_keys == ("a", "b")
+
+
+def test_kernel_tier_flag_wins_over_env() -> None:
+    assert parse([]).engine.kernel_tier == "auto"
+    assert parse([], {"PDMESH_KERNEL_TIER": "avx2"}).engine.kernel_tier == "avx2"
+    assert parse([], {"PDMESH_KERNEL_TIER": " AVX512 "}).engine.kernel_tier == "avx512"
+    assert parse([], {"PDMESH_KERNEL_TIER": ""}).engine.kernel_tier == "auto"
+    for tier in TIER_CHOICES:
+        got = parse(["--kernel-tier", tier], {"PDMESH_KERNEL_TIER": "reference"}).engine
+        assert got.kernel_tier == tier
+
+
+def test_invalid_kernel_tier_is_a_clear_error_naming_the_choices(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    choices = ", ".join(TIER_CHOICES[1:])
+    with pytest.raises(ValueError, match=f"PDMESH_KERNEL_TIER='avx9'.*expected auto or one of "
+                                         f"{choices}"):
+        parse([], {"PDMESH_KERNEL_TIER": "avx9"})
+    with pytest.raises(SystemExit):
+        parse(["--kernel-tier", "avx9"])
+    err = capsys.readouterr().err
+    assert "--kernel-tier: invalid choice: 'avx9'" in err
+    assert all(tier in err for tier in TIER_CHOICES)
+    with pytest.raises(ValueError, match=f"unknown kernel tier 'fast'; expected auto or one of "
+                                         f"{choices}"):
+        EngineConfig(kernel_tier="fast")
+
+
+def test_engine_config_kernel_tier_defaults_to_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDMESH_KERNEL_TIER", "Portable")
+    assert EngineConfig().kernel_tier == "portable"  # LLM(), benchmarks: every EngineConfig
+    assert EngineConfig(kernel_tier="avx2").kernel_tier == "avx2"
+    monkeypatch.delenv("PDMESH_KERNEL_TIER")
+    assert EngineConfig().kernel_tier == "auto"
+    monkeypatch.setenv("PDMESH_KERNEL_TIER", "bogus")
+    with pytest.raises(ValueError, match="PDMESH_KERNEL_TIER='bogus'"):
+        EngineConfig()
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)  # --help still works: its defaults do not read the env
+
+
+def test_serve_refuses_a_bad_env_tier_without_a_traceback(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import main
+
+    monkeypatch.setenv("PDMESH_KERNEL_TIER", "avx9")
+    assert main(["serve", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "pdmesh serve: PDMESH_KERNEL_TIER='avx9': unknown kernel tier" in err
+    assert "Traceback" not in err
 
 
 def test_roles_and_kv_flags() -> None:
