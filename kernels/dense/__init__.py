@@ -6,10 +6,12 @@
 
 The C++ kernels take a bf16 weight and fp32 or bf16 x of 1..32 rows (fp32 accumulation,
 output in x's dtype); larger batches (prefill), fp32 weights and other dtypes run torch's
-F.linear, the reference. Each function takes backend=None | "reference" | "avx512_fma" |
-"avx512_bf16"; None picks the fastest available. The library is JIT-built at first use (see
-build.py); configure() chooses where, build_info() reports what is active. If it cannot be
-built, a RuntimeWarning is issued and everything runs on torch.
+F.linear, the reference. Each function takes backend=None | "reference" | "avx2" | "avx512" |
+"avx512_bf16" (the kernels.tier labels); None picks the fastest backend this CPU runs whose tier
+is at most kernels.tier.max_tier(), and is resolved again after set_max_tier. An explicit
+backend is not capped. The library is JIT-built at first use (see build.py); configure()
+chooses where, build_info() reports what is active. If it cannot be built, a RuntimeWarning is
+issued and everything runs on torch.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels import tier
 from kernels.dense.backend import (
-    FASTEST_FIRST,
     MAX_ROWS,
     Backend,
     BackendUnavailableError,
     KernelPath,
+    cpu_tier,
     reference_linear,
     runnable_backends,
     unavailable_reason,
@@ -69,6 +72,15 @@ _config_lock = threading.Lock()
 _paths: dict[str | Backend | None, KernelPath] = {}  # resolved backend arguments
 
 
+def _forget_paths() -> None:
+    """The cap changed: backend=None must be resolved again (explicit names are not capped,
+    but clearing everything keeps this simple and cheap)."""
+    _paths.clear()
+
+
+tier.on_cap_change(_forget_paths)
+
+
 def configure(config: BuildConfig) -> None:
     """Choose the build directory; call before the first kernel use (the first build wins)."""
     global _config
@@ -92,7 +104,10 @@ def available_backends() -> list[str]:
 
 
 def kernel_path(backend: str | Backend | None = None) -> KernelPath:
-    """The KernelPath that `backend` resolves to; callers on a hot path can keep it."""
+    """The KernelPath that `backend` resolves to; callers on a hot path can keep it.
+
+    None: the fastest backend this CPU runs whose tier is at most kernels.tier.max_tier()
+    (the reference at worst)."""
     path = _paths.get(backend)
     if path is None:
         path = _resolve(backend)
@@ -104,7 +119,8 @@ def _resolve(backend: str | Backend | None) -> KernelPath:
     build = _build()
     runnable = runnable_backends(build)
     if backend is None:
-        chosen = next(b for b in FASTEST_FIRST if b in runnable)
+        cap = tier.max_tier()
+        chosen = next(b for b in runnable if b.tier <= cap)
     else:
         try:
             chosen = Backend(backend)
@@ -144,7 +160,8 @@ def decoder(backend: str | Backend | None = None) -> NativeDecoder | None:
 
 @dataclass(frozen=True)
 class BuildInfo:
-    """What `pdmesh doctor` can show: the build's state and which path None picks."""
+    """What `pdmesh doctor` can show: the build's state, the CPU's tier, the cap, and which
+    backend None picks (active)."""
 
     state: str
     build_dir: str
@@ -154,6 +171,8 @@ class BuildInfo:
     error: str | None
     available: tuple[str, ...]
     active: str
+    cpu_tier: str | None  # the fastest tier this CPU runs (None: unknown, library not loaded)
+    max_tier: str  # kernels.tier's cap on automatic choice
 
     def __str__(self) -> str:
         if self.state == BuildState.READY:
@@ -163,7 +182,8 @@ class BuildInfo:
             build = f"build failed: {self.error}"
         else:
             build = "build not attempted"
-        return f"active={self.active} (available: {', '.join(self.available)}); {build}"
+        return (f"active={self.active} (cpu tier {self.cpu_tier or 'unknown'}, cap "
+                f"{self.max_tier}; available: {', '.join(self.available)}); {build}")
 
 
 def build_info(build: bool = True) -> BuildInfo:
@@ -172,7 +192,9 @@ def build_info(build: bool = True) -> BuildInfo:
     if result is None:
         result = BuildResult(_config or BuildConfig.from_env(), BuildState.NOT_BUILT)
     runnable = runnable_backends(result)
+    cap = tier.max_tier()
     lib = result.library
+    detected = cpu_tier(result)
     return BuildInfo(
         state=str(result.state),
         build_dir=str(result.config.build_dir),
@@ -181,5 +203,7 @@ def build_info(build: bool = True) -> BuildInfo:
         compiled=result.compiled,
         error=result.error,
         available=tuple(str(b) for b in runnable),
-        active=str(runnable[0]),
+        active=str(next(b for b in runnable if b.tier <= cap)),
+        cpu_tier=None if detected is None else detected.label,
+        max_tier=cap.label,
     )

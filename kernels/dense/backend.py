@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.dense.build import BuildResult, Library
+from kernels.tier import Tier
 
 MAX_ROWS = 32  # more rows (prefill) go to torch's matmul (oneDNN), which is compute-efficient
 X_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes the C++ kernels take
@@ -24,18 +25,32 @@ _BIAS_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Backend(StrEnum):
-    """A code path: torch's F.linear, or the C++ library's AVX-512 kernels.
+    """A code path: torch's F.linear, or one tier of the C++ library's kernels.
 
-    AVX512_BF16 runs bf16 activations through vdpbf16ps and fp32 ones through the FMA kernel;
-    AVX512_FMA widens bf16 weights to fp32 and uses FMA for both activation dtypes.
+    Each value is its kernels.tier.Tier's label. AVX512_BF16 runs bf16 activations through
+    vdpbf16ps and fp32 ones through the AVX-512 FMA kernel; AVX512 and AVX2 widen bf16 weights
+    to fp32 and use FMA (16 or 8 lanes) for both activation dtypes.
     """
 
     REFERENCE = "reference"
-    AVX512_FMA = "avx512_fma"
+    AVX2 = "avx2"
+    AVX512 = "avx512"
     AVX512_BF16 = "avx512_bf16"
 
+    @property
+    def tier(self) -> Tier:
+        return Tier.parse(self.value)
 
-FASTEST_FIRST = (Backend.AVX512_BF16, Backend.AVX512_FMA, Backend.REFERENCE)
+    @property
+    def path_id(self) -> int:
+        """The C++ ops' `path` (csrc/dense.h); the same number names the tier in kernels.mxfp4."""
+        if self is Backend.REFERENCE:
+            raise ValueError("dense: the reference backend has no C++ code path")
+        return _PATH_IDS[self]
+
+
+_PATH_IDS = {Backend.AVX512: 1, Backend.AVX2: 2, Backend.AVX512_BF16: 3}
+FASTEST_FIRST = (Backend.AVX512_BF16, Backend.AVX512, Backend.AVX2, Backend.REFERENCE)
 
 
 class BackendUnavailableError(RuntimeError):
@@ -45,16 +60,28 @@ class BackendUnavailableError(RuntimeError):
 def runnable_backends(build: BuildResult) -> tuple[Backend, ...]:
     """Backends this process can run with this build, fastest first."""
     lib = build.library
-    found = []
-    if lib is not None and lib.cpu_avx512:
-        found = [Backend.AVX512_BF16, Backend.AVX512_FMA] if lib.cpu_bf16 else [Backend.AVX512_FMA]
-    return (*found, Backend.REFERENCE)
+    if lib is None:
+        return (Backend.REFERENCE,)
+    runs = {Backend.AVX512_BF16: lib.cpu_avx512 and lib.cpu_bf16, Backend.AVX512: lib.cpu_avx512,
+            Backend.AVX2: lib.cpu_avx2, Backend.REFERENCE: True}
+    return tuple(b for b in FASTEST_FIRST if runs[b])
+
+
+def cpu_tier(build: BuildResult) -> Tier | None:
+    """The fastest tier this CPU can run (None when the library, which detects it, did not
+    load)."""
+    if build.library is None:
+        return None
+    return runnable_backends(build)[0].tier
 
 
 def unavailable_reason(backend: Backend, build: BuildResult) -> str:
     if build.library is None:
         return f"the C++ library did not build ({build.error or build.state})"
-    if not build.library.cpu_avx512:
+    lib = build.library
+    if backend is Backend.AVX2 and not lib.cpu_avx2:
+        return "this CPU lacks avx2/fma/f16c"
+    if not lib.cpu_avx512:
         return "this CPU lacks avx512f/avx512bw/avx512vl/avx512dq"
     if backend is Backend.AVX512_BF16:
         return "this CPU lacks avx512_bf16"
@@ -105,7 +132,7 @@ class KernelPath:
                 or not x2.is_cpu or not self.takes_weight(weight, bias)
                 or needs_grad(x, weight, bias)):
             return reference_linear(x, weight, bias)
-        y = self.op(x2, weight, bias, self.path_id(x2.dtype))
+        y = self.op(x2, weight, bias, self.backend.path_id)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
     def takes_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -113,10 +140,6 @@ class KernelPath:
         return (self.library is not None and weight.dtype == torch.bfloat16 and weight.is_cpu
                 and weight.stride(-1) == 1 and weight.stride(0) >= weight.shape[1]
                 and (bias is None or (bias.dtype in _BIAS_DTYPES and bias.is_contiguous())))
-
-    def path_id(self, x_dtype: torch.dtype) -> int:
-        """The C++ op's `path` for x_dtype: 1 vdpbf16ps (bf16 x only), 0 the FMA kernel."""
-        return 1 if self.backend is Backend.AVX512_BF16 and x_dtype == torch.bfloat16 else 0
 
     @functools.cached_property
     def op(self) -> Any:

@@ -27,11 +27,16 @@ from kernels.mxfp4.build import _summarise as summarise
 CSRC = Path(__file__).parent / "csrc"
 NAMESPACE = "pdmesh_dense"  # extension name and torch.ops namespace
 # ops.cpp: features() and linear(); layer_ops.cpp: the fused decoder layer (kernels/dense/layer.py).
-SOURCES = ("ops.cpp", "gemv_avx512.cpp", "layer_ops.cpp", "layer_avx512.cpp", "attend_avx512.cpp")
+# Every TU is compiled on every x86-64 CPU: the kernel TUs hold their tier's code in
+# `#pragma GCC target` regions, and the ops check the CPU before calling in.
+SOURCES = ("ops.cpp", "layer_ops.cpp",
+           "gemv_avx512.cpp", "layer_avx512.cpp", "attend_avx512.cpp",
+           "gemv_avx2.cpp", "layer_avx2.cpp", "attend_avx2.cpp")
 
 # Bits of the library's features() op (see csrc/ops.cpp).
 _CPU_AVX512 = 1
 _CPU_BF16 = 2
+_CPU_AVX2 = 4
 
 
 @dataclass(frozen=True)
@@ -64,8 +69,13 @@ class Library:
         return getattr(torch.ops, NAMESPACE)
 
     @property
+    def cpu_avx2(self) -> bool:
+        """The CPU has avx2, fma and f16c: the AVX2 kernels run."""
+        return bool(self.features & _CPU_AVX2)
+
+    @property
     def cpu_avx512(self) -> bool:
-        """The CPU has avx512f/bw/vl/dq: the FMA kernel runs."""
+        """The CPU has avx512f/bw/vl/dq: the AVX-512 FMA kernels run."""
         return bool(self.features & _CPU_AVX512)
 
     @property

@@ -1,6 +1,6 @@
 """The fused decoder layer and native paged attention: one C++ call per decode step.
 
-    native = native_decoder(path)      # None when the library or AVX-512 is unavailable
+    native = native_decoder(path)      # None for the reference path (no compiled tier)
     out = native.rope_attention(qkv, kv_layer, cos_sin, tables, geometry)   # [T, H D]
     native.decoder_layer(h, kv_layer, cos_sin, tables, weights, geometry)   # h updated in place
     native.decoder_layers(h, kv_cache, cos_sin, tables, stack, geometry)    # every layer at once
@@ -12,7 +12,8 @@ bf16 residual stream h [T, hidden]: RMSNorm, fused-qkv projection, RoPE + cache 
 attention, o projection + residual, RMSNorm, gate/up projection, SiLU * up, down projection +
 residual. A dense projection of up to 32 rows runs the dense GEMV, a larger one (prefill) torch's
 bf16 GEMM, as DenseLinear does; an MXFP4 projection runs kernels.mxfp4's fused kernel on the
-packed bytes, as MXFP4Linear does for decode rows. Numerics follow HF in bf16 (fp32 math, bf16
+packed bytes (its code path of the same tier), as MXFP4Linear does for decode rows. Every op
+runs the kernels of path's tier (avx512_bf16, avx512 or avx2). Numerics follow HF in bf16 (fp32 math, bf16
 rounding after each op, attention in fp32), so the plain-torch layer in shared/model/llama.py
 is the oracle (tests/kernels/test_dense_layer.py). The elementwise ops (rms_norm, add_rms_norm,
 silu_mul, add_) serve callers that run the projections themselves (an MXFP4 prefill).
@@ -26,10 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from kernels.dense.backend import Backend, KernelPath
-from kernels.mxfp4.backend import Backend as Mxfp4Backend
 
-# The kernels.mxfp4 code path of packed projections: the AVX-512 one, as this library needs.
-MXFP4_PATH = Mxfp4Backend.AVX512.path_id
+# The kernels.mxfp4 code path (its ops' `path`) that MXFP4 projections run inside the fused
+# layer, per dense backend: the same tier (mxfp4: 1 avx512, 2 avx2, 3 avx512_bf16, which uses
+# vdpbf16ps for bf16 x like the dense AVX512_BF16 GEMV).
+MXFP4_PATHS = {Backend.AVX512_BF16: 3, Backend.AVX512: 1, Backend.AVX2: 2}
 
 
 @dataclass(frozen=True)
@@ -115,19 +117,20 @@ class StepTables:
 class NativeDecoder:
     """The fused-layer and paged-attention ops of the loaded dense library.
 
-    Holds the KernelPath whose library registered the ops; the GEMVs inside decoder_layer take
-    the same code path (vdpbf16ps or FMA) that the path's DenseLinear would, and MXFP4
-    projections the AVX-512 path of kernels.mxfp4's full library (MXFP4_PATH), which must be
+    Holds the KernelPath whose library registered the ops; every op runs that path's tier, the
+    GEMVs inside decoder_layer the same code path that the path's DenseLinear would, and MXFP4
+    projections kernels.mxfp4's full library on mxfp4_path (the same tier), which must be
     loaded. Inputs are validated in C++ (a bad block table raises instead of reading out of
-    bounds).
+    bounds; a tier this CPU cannot run raises).
     """
 
     def __init__(self, path: KernelPath) -> None:
-        if path.library is None or not path.library.cpu_avx512:
-            raise ValueError("NativeDecoder needs the compiled library on an AVX-512 CPU")
+        if path.library is None or path.backend is Backend.REFERENCE:
+            raise ValueError("NativeDecoder needs a compiled backend of the dense library")
         self.path = path
         self._ops = path.library.ops
-        self._path_id = path.path_id(torch.bfloat16)
+        self._path_id = path.backend.path_id
+        self.mxfp4_path = MXFP4_PATHS[path.backend]  # what MXFP4 projections run when fused
         self._layers = self._ops.decoder_layers.default  # resolved once: the per-step call
 
     @staticmethod
@@ -143,14 +146,14 @@ class NativeDecoder:
         per step); stack = the layers' LayerWeights.as_list() concatenated, layer 0 first."""
         self._layers(h, kv_cache, cos_sin, tables.block_tables, tables.context_lens,
                      tables.query_start, stack, g.num_heads, g.num_kv_heads, g.rms_norm_eps,
-                     g.scale, self._path_id, MXFP4_PATH)
+                     g.scale, self._path_id, self.mxfp4_path)
 
     def rope_attention(self, qkv: torch.Tensor, kv_layer: torch.Tensor, cos_sin: torch.Tensor,
                        tables: StepTables, g: LayerGeometry) -> torch.Tensor:
         """qkv [T, (H + 2 KVH) D] -> attention output [T, H D]; writes K/V of the new rows."""
         return self._ops.rope_attention(
             qkv, kv_layer, cos_sin, tables.block_tables, tables.context_lens,
-            tables.query_start, g.num_heads, g.num_kv_heads, g.scale)
+            tables.query_start, g.num_heads, g.num_kv_heads, g.scale, self._path_id)
 
     def decoder_layer(self, h: torch.Tensor, kv_layer: torch.Tensor, cos_sin: torch.Tensor,
                       tables: StepTables, w: LayerWeights, g: LayerGeometry) -> None:
@@ -161,24 +164,24 @@ class NativeDecoder:
     # projections themselves (an MXFP4 prefill): same numerics as inside decoder_layer.
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """x [T, n] -> bf16(bf16(x * rsqrt(mean(x^2) + eps)) * w)."""
-        return self._ops.rms_norm(x, w, eps)
+        return self._ops.rms_norm(x, w, eps, self._path_id)
 
     def add_rms_norm(self, h: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float
                      ) -> torch.Tensor:
         """h += y (in place, bf16), then returns rms_norm(h, w, eps)."""
-        return self._ops.add_rms_norm(h, y, w, eps)
+        return self._ops.add_rms_norm(h, y, w, eps, self._path_id)
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         """gu [T, 2 I] (gate | up) -> silu(gate) * up [T, I]."""
-        return self._ops.silu_mul(gu)
+        return self._ops.silu_mul(gu, self._path_id)
 
     def add_(self, h: torch.Tensor, y: torch.Tensor) -> None:
         """h += y in place (bf16 rounding)."""
-        self._ops.add_(h, y)
+        self._ops.add_(h, y, self._path_id)
 
 
 def native_decoder(path: KernelPath) -> NativeDecoder | None:
     """A NativeDecoder on path's library, or None for the reference path (no C++ here)."""
-    if path.backend is Backend.REFERENCE or path.library is None or not path.library.cpu_avx512:
+    if path.backend is Backend.REFERENCE or path.library is None:
         return None
     return NativeDecoder(path)

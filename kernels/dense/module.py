@@ -31,19 +31,18 @@ class DenseLinear(nn.Module):
         self.bias = bias
         self.path = path
         self.out_features, self.in_features = weight.shape
-        # x dtype -> C++ path id, empty when the kernels cannot take this weight: the fast path.
-        self._fast_paths: dict[torch.dtype, int] = (
-            {dt: path.path_id(dt) for dt in X_DTYPES} if path.takes_weight(weight, bias) else {})
+        # The C++ path id, None when the kernels cannot take this weight: the fast path.
+        self._path_id: int | None = (path.backend.path_id if path.takes_weight(weight, bias)
+                                     else None)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, path: KernelPath) -> DenseLinear:
         return cls(linear.weight, linear.bias, path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        path_id = self._fast_paths.get(x.dtype)
-        if (path_id is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS
-                and not needs_grad(x, self.weight, self.bias)):
-            return self.path.op(x, self.weight, self.bias, path_id)
+        if (self._path_id is not None and x.dtype in X_DTYPES and x.dim() == 2
+                and x.shape[0] <= MAX_ROWS and not needs_grad(x, self.weight, self.bias)):
+            return self.path.op(x, self.weight, self.bias, self._path_id)
         return self.path.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

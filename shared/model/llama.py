@@ -160,12 +160,13 @@ class DecoderLayer(nn.Module):
         native.add_(x, mlp.down_proj(native.silu_mul(mlp.gate_up_proj(xn))))
         return x
 
-    def native_weights(self) -> LayerWeights | None:
+    def native_weights(self, mxfp4_path: int) -> LayerWeights | None:
         """This layer's tensors for the fused native block, or None when a linear is neither
-        dense bf16 nor MXFP4 on the AVX-512 kernels, or the model is not bf16."""
+        dense bf16 nor MXFP4 on the full library's code path mxfp4_path (the one the fused
+        block calls), or the model is not bf16."""
         attn, mlp = self.self_attn, self.mlp
-        projections = [_projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                mlp.down_proj)]
+        projections = [_projection(m, mxfp4_path) for m in (attn.qkv_proj, attn.o_proj,
+                                                            mlp.gate_up_proj, mlp.down_proj)]
         if any(p is None for p in projections):
             return None
         qkv, o, gate_up, down = projections
@@ -183,11 +184,11 @@ def fuses(packed: bool, rows: int) -> bool:
     return not packed or rows <= FUSED_MAX_ROWS
 
 
-def _projection(linear: nn.Module) -> Projection | None:
+def _projection(linear: nn.Module, mxfp4_path: int) -> Projection | None:
     """A linear's tensors for the fused layer, or None if the native kernels cannot run it."""
     try:
         if isinstance(linear, MXFP4Linear):
-            if not linear.fusable:
+            if not linear.fusable(mxfp4_path):
                 return None
             return Projection(linear.weight_blocks, linear.weight_scales, linear.bias)
         weight = getattr(linear, "weight", None)
@@ -260,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
             return 0
         self.native = native
         for layer in self.layers:
-            layer.fused = layer.native_weights()
+            layer.fused = layer.native_weights(native.mxfp4_path)
         fused = [layer.fused for layer in self.layers if layer.fused is not None]
         # Every layer fused: the whole stack runs as one native call per step.
         self._fused_stack = ([t for w in fused for t in w.as_list()]

@@ -171,13 +171,13 @@ class MXFP4Linear(nn.Module):
         return cls(linear.in_features, linear.out_features, linear.bias is not None, path,
                    scratch)
 
-    @property
-    def fusable(self) -> bool:
-        """Whether kernels.dense's fused decoder layer can run this linear's packed weights
-        (it calls the AVX-512 path of the full library: see kernels/dense/layer.py)."""
+    def fusable(self, mxfp4_path: int) -> bool:
+        """Whether kernels.dense's fused decoder layer, which calls the full library's linear
+        op on code path mxfp4_path (NativeDecoder.mxfp4_path), computes exactly what forward()
+        does for decode rows: this linear runs that library on that same path."""
         lib = self.path.library
-        return (self.path.backend is mxfp4.Backend.AVX512 and lib is not None
-                and lib.namespace == FULL_NAMESPACE)
+        return (lib is not None and lib.namespace == FULL_NAMESPACE
+                and self._path_id == mxfp4_path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else -1

@@ -1,6 +1,19 @@
-"""Dense decode linear: the C++ kernels against float64 on the same bf16-rounded values (within
-fp32 accumulation error, as torch's fp32 F.linear is), dispatch to torch, and accelerate_linears
-on a real (tiny, random) model against the same model before the swap and in fp32."""
+"""Dense decode linear: the C++ kernels of every compiled tier against float64 on the same
+bf16-rounded values, dispatch to torch, the tier ladder's choice, and accelerate_linears on a
+real (tiny, random) model against the same model before the swap and in fp32.
+
+What equality means here, per tier (each tier runs every test below, or skips because this CPU
+cannot execute it):
+- GEMV (all tiers): not bit-exact against anything. Each output is within (K + 2) eps32
+  sum|x w| of the float64 product (the fp32 accumulation bound that torch's fp32 F.linear
+  meets too), plus the final bf16 rounding for bf16 x. The tiers sum in different orders
+  (AVX-512: 16 lanes per vector; AVX2: 8 lanes in four fixed chains), so they agree only to
+  within that bound.
+- Within a tier: bit-identical for 1 and 2 threads (outputs are split across threads, never a
+  sum). The AVX2 tier also gives a row the same bits whatever batch it comes in (its summation
+  order is fixed per output); the AVX-512 tiles do not promise that.
+- What the kernels do not take (prefill rows, fp32 weights): exactly torch's F.linear.
+"""
 
 from __future__ import annotations
 
@@ -9,30 +22,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from dense_helpers import DENSE_TIERS, dense_or_skip
 from torch import nn
 
 import kernels.dense as dense
-from kernels.dense import DenseLinear, KernelPath, reference_linear
+from kernels import tier
+from kernels.dense import Backend, DenseLinear, KernelPath, reference_linear
+from kernels.dense.build import peek
 from shared.model.attention import AttentionMetadata
 from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_model
 from shared.model.make_model import ModelSpec, write_checkpoint
 
-CPP_BACKENDS = ("avx512_bf16", "avx512_fma")
 SMOLLM2_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]  # (in, out)
 BATCHES = [1, 2, 7, 16, 32]
 DTYPES = [torch.float32, torch.bfloat16]
 EPS32 = 2.0**-24
-
-
-@pytest.fixture(scope="module", params=CPP_BACKENDS)
-def cpp(request: pytest.FixtureRequest) -> KernelPath:
-    """A compiled KernelPath. A failed build fails the test; only a CPU lacking it skips."""
-    info = dense.build_info()
-    assert info.state == "ready", f"dense build failed: {info.error}"
-    if request.param not in info.available:
-        pytest.skip(f"this CPU cannot run {request.param}")
-    return dense.kernel_path(request.param)
 
 
 @cache
@@ -71,11 +76,11 @@ def _assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Te
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("m", BATCHES)
 @pytest.mark.parametrize(("in_f", "out_f"), SMOLLM2_SHAPES)
-def test_smollm2_shapes(cpp: KernelPath, in_f: int, out_f: int, m: int, bias: bool,
+def test_smollm2_shapes(dense_kernel: KernelPath, in_f: int, out_f: int, m: int, bias: bool,
                         dtype: torch.dtype) -> None:
     w = _weight(in_f, out_f)
     x, b = _inputs(m, in_f, out_f, dtype, bias)
-    y = cpp.linear(x, w, b)
+    y = dense_kernel.linear(x, w, b)
     assert y.shape == (m, out_f)
     cols = _checked_columns(out_f)
     _assert_close(y[:, cols], x, w[cols], None if b is None else b[cols])
@@ -94,50 +99,53 @@ def _checked_columns(out_f: int, limit: int = 4096) -> torch.Tensor:
 @pytest.mark.parametrize("m", [1, 3, 7, 32])
 @pytest.mark.parametrize(("in_f", "out_f"),
                          [(1, 9), (31, 8), (33, 17), (100, 37), (129, 1), (333, 37)])
-def test_k_and_n_tails(cpp: KernelPath, in_f: int, out_f: int, m: int, dtype: torch.dtype) -> None:
+def test_k_and_n_tails(dense_kernel: KernelPath, in_f: int, out_f: int, m: int, dtype: torch.dtype) -> None:
     """Every tile shape: m = 32 at K = 333 takes the blocked tiles (x > 20 KiB) and their
     one-column remainder (N % 4 == 1), smaller x the streaming ones."""
     w = _weight(in_f, out_f)
     x, b = _inputs(m, in_f, out_f, dtype, bias=True)
-    _assert_close(cpp.linear(x, w, b), x, w, b)
+    _assert_close(dense_kernel.linear(x, w, b), x, w, b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32x", "bf16x"])
-def test_strided_rows_read_nothing_past_k(cpp: KernelPath, dtype: torch.dtype) -> None:
+def test_strided_rows_read_nothing_past_k(dense_kernel: KernelPath, dtype: torch.dtype) -> None:
     """A weight view with row stride > K (a slice of a wider matrix) whose neighbours are Inf."""
     wide = torch.full((37, 140), float("inf"), dtype=torch.bfloat16)
     wide[:, :100] = _weight(100, 37)
     w = wide[:, :100]
     x, b = _inputs(5, 100, 37, dtype, bias=True)
-    y = cpp.linear(x, w, b)
+    y = dense_kernel.linear(x, w, b)
     assert torch.isfinite(y).all()
     _assert_close(y, x, w, b)
 
 
-def test_leading_dims_and_empty_batch(cpp: KernelPath) -> None:
+def test_leading_dims_and_empty_batch(dense_kernel: KernelPath) -> None:
     w = _weight(100, 37)
     x = torch.randn(2, 3, 100)
-    _assert_close(cpp.linear(x, w), x, w, None)
-    assert cpp.linear(torch.empty(0, 100), w).shape == (0, 37)
+    _assert_close(dense_kernel.linear(x, w), x, w, None)
+    assert dense_kernel.linear(torch.empty(0, 100), w).shape == (0, 37)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32x", "bf16x"])
-def test_threads_split_rows_not_sums(cpp: KernelPath, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("m", [1, 7, 32])  # 32 rows at K = 1536: the blocked tiles
+@pytest.mark.parametrize(("in_f", "out_f"), [(576, 1536), (1536, 576)])
+def test_threads_split_rows_not_sums(dense_kernel: KernelPath, in_f: int, out_f: int, m: int,
+                                     dtype: torch.dtype) -> None:
     """Each output is summed by one thread: 1 and 2 threads agree bit for bit."""
-    w = _weight(576, 1536)
-    x, b = _inputs(7, 576, 1536, dtype, bias=True)
+    w = _weight(in_f, out_f)
+    x, b = _inputs(m, in_f, out_f, dtype, bias=True)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpp.linear(x, w, b)
+        one = dense_kernel.linear(x, w, b)
         torch.set_num_threads(2)
-        two = cpp.linear(x, w, b)
+        two = dense_kernel.linear(x, w, b)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize("backend", [*CPP_BACKENDS, "reference"])
+@pytest.mark.parametrize("backend", [*DENSE_TIERS, "reference"])
 def test_torch_runs_what_the_kernels_do_not_take(backend: str) -> None:
     """Over MAX_ROWS rows (prefill), fp32 weights: exactly torch's F.linear."""
     if backend not in dense.available_backends():
@@ -150,9 +158,25 @@ def test_torch_runs_what_the_kernels_do_not_take(backend: str) -> None:
                        torch.nn.functional.linear(x32, w.float()))
 
 
-def test_autograd_runs_torch(cpp: KernelPath) -> None:
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32x", "bf16x"])
+def test_avx2_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
+    """AVX2 sums each output in one fixed order: a row alone, or at any place in a batch of up
+    to 32 (every tile shape, streaming and blocked), gets the same bits. (The AVX-512 kernels'
+    tiles sum differently per shape; their arithmetic predates the ladder and stays as is.)"""
+    path = dense_or_skip("avx2")
+    for in_f, out_f in [(576, 192), (1536, 576), (333, 37)]:
+        w = _weight(in_f, out_f)
+        x, b = _inputs(32, in_f, out_f, dtype, bias=True)
+        batch = path.linear(x, w, b)
+        for m in (1, 2, 3, 5, 32):
+            assert torch.equal(path.linear(x[:m], w, b), batch[:m])
+        for r in (0, 7, 31):
+            assert torch.equal(path.linear(x[r:r + 1], w, b), batch[r:r + 1])
+
+
+def test_autograd_runs_torch(dense_kernel: KernelPath) -> None:
     """A call autograd must record goes to F.linear (the C++ op has no backward)."""
-    layer = DenseLinear(nn.Parameter(_weight(100, 37).clone()), None, cpp)
+    layer = DenseLinear(nn.Parameter(_weight(100, 37).clone()), None, dense_kernel)
     x = torch.randn(3, 100, dtype=torch.bfloat16, requires_grad=True)
     layer(x).float().sum().backward()
     assert x.grad is not None and layer.weight.grad is not None
@@ -167,6 +191,62 @@ def test_bad_input_raises() -> None:
         dense.linear(torch.randn(2, 100), w, torch.randn(36))
     with pytest.raises(ValueError, match="unknown backend"):
         dense.linear(torch.randn(2, 100), w, backend="avx9000")
+
+
+# ---- the ladder: which backend None picks, and what each tier refuses ---------------------------
+
+def test_backends_are_the_tiers() -> None:
+    """Each backend names its kernels.tier rung; the C++ path ids are kernels.mxfp4's."""
+    assert [b.tier for b in Backend] == [tier.Tier.REFERENCE, tier.Tier.AVX2, tier.Tier.AVX512,
+                                         tier.Tier.AVX512_BF16]
+    assert all(str(b) == b.tier.label for b in Backend)
+    assert {b: b.path_id for b in Backend if b is not Backend.REFERENCE} == {
+        Backend.AVX512: 1, Backend.AVX2: 2, Backend.AVX512_BF16: 3}
+
+
+@pytest.mark.parametrize("cap", list(tier.Tier))
+def test_default_backend_follows_the_cap(cap: tier.Tier) -> None:
+    """backend=None: the fastest runnable backend whose tier <= the cap, re-resolved after every
+    set_max_tier; build_info reports the CPU's tier, the cap and that choice."""
+    available = dense.available_backends()
+    before = tier.max_tier()
+    try:
+        dense.kernel_path()  # resolved (and cached) under the old cap first
+        tier.set_max_tier(cap)
+        want = next(b for b in available if Backend(b).tier <= cap)
+        assert dense.kernel_path().backend == want
+        info = dense.build_info()
+        assert (info.active, info.max_tier, info.cpu_tier) == (want, cap.label, available[0])
+        # The reference runs anything: under a cap the decoder may be None, never a higher tier.
+        native = dense.decoder()
+        assert (native is None) == (want == "reference")
+        assert native is None or native.path.backend == want
+    finally:
+        tier.set_max_tier(before)
+
+
+def test_ops_refuse_a_tier_this_cpu_cannot_run() -> None:
+    """Every C++ op checks its path: an unknown id, and each tier this CPU lacks, raise."""
+    info = dense.build_info()
+    result = peek()
+    assert result is not None and result.library is not None, f"build failed: {info.error}"
+    ops = result.library.ops
+    x, w = torch.zeros(1, 64, dtype=torch.bfloat16), _weight(64, 8)
+    refused = [0, 99] + [b.path_id for b in Backend
+                         if b is not Backend.REFERENCE and str(b) not in info.available]
+    for path in refused:
+        with pytest.raises(RuntimeError, match="cannot run"):
+            ops.linear(x, w, None, path)
+        with pytest.raises(RuntimeError, match="cannot run"):
+            ops.rms_norm(x, x[0], 1e-5, path)
+        with pytest.raises(RuntimeError, match="cannot run"):
+            ops.silu_mul(x, path)
+        with pytest.raises(RuntimeError, match="cannot run"):
+            ops.add_(x.clone(), x, path)
+    for backend in Backend:
+        if str(backend) not in info.available:
+            with pytest.raises(dense.BackendUnavailableError, match="this CPU lacks"):
+                dense.kernel_path(backend)
 
 
 # ---- accelerate_linears on a real model -------------------------------------------------------

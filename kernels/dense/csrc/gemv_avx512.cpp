@@ -11,21 +11,10 @@
 // dpbf16 kernel (bf16 x, avx512_bf16): vdpbf16ps, 32 MACs per instruction, exact bf16 products
 // with fp32 accumulation; like every vdpbf16ps it treats subnormal inputs as zero.
 // Only the code between the target pragmas is compiled for AVX-512, so the library still loads
-// on any x86-64 CPU; ops.cpp checks cpu_support() before calling in.
+// on any x86-64 CPU; ops.cpp checks path_unavailable() before calling in.
 #include <immintrin.h>
 
 #include "dense.h"
-
-namespace pdmesh_dense {
-
-CpuSupport cpu_support() {
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  return {avx512, avx512 && __builtin_cpu_supports("avx512bf16")};
-}
-
-}  // namespace pdmesh_dense
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")

@@ -1,6 +1,7 @@
 // Fused decoder-layer pieces for CPU decode: the plain-C++ interface between the binding TU
-// (layer_ops.cpp, which owns threading and tensors) and the AVX-512 TU (layer_avx512.cpp).
-// No torch here (see dense.h for why the AVX-512 TU stays free of ATen headers).
+// (layer_ops.cpp, which owns threading and tensors) and the kernel TUs, one set per tier
+// (layer_avx512.cpp + attend_avx512.cpp, layer_avx2.cpp + attend_avx2.cpp; LayerKernels below).
+// No torch here (see dense.h for why the kernel TUs stay free of ATen headers).
 //
 // Every bf16 value is its raw 16-bit pattern (uint16_t). Numerics follow HF transformers in
 // bf16: each elementwise op computes in fp32 and rounds to bf16 (round to nearest even), so
@@ -50,9 +51,33 @@ void rope_store_avx512(const uint16_t* qkv, const uint16_t* cos_sin, const StepA
 // Causal attention over the paged cache for work items [i0, i1), item = row * KVH + kv head:
 // the H / KVH query heads of that kv head attend to positions 0..pos of their sequence.
 // q [T, H D] bf16 -> out [T, H D] bf16; fp32 math (scores, softmax, weighted sum).
-// scratch: (H / KVH) * (max context) floats and offsets: (max context) int64, both owned by
-// the calling thread. (attend_avx512.cpp)
+// scratch: (H / KVH) * (max context + D) floats and offsets: (max context) int64, both owned
+// by the calling thread. (attend_avx512.cpp, attend_avx2.cpp)
 void attend_avx512(const uint16_t* q, const StepArgs& s, const CacheArgs& c, float scale,
                    uint16_t* out, float* scratch, int64_t* offsets, int64_t i0, int64_t i1);
+
+// The AVX2 versions of the above, same contracts (layer_avx2.cpp, attend_avx2.cpp). The
+// elementwise ones are bit-identical to the AVX-512 ones; attention agrees within fp32
+// summation error (its dot products sum 8 lanes, not 16).
+void rms_norm_avx2(const uint16_t* x, const uint16_t* w, int64_t n, float eps, uint16_t* out,
+                   int64_t t0, int64_t t1);
+void add_inplace_avx2(uint16_t* h, const uint16_t* y, int64_t n);
+void silu_mul_avx2(const uint16_t* gu, int64_t inter, uint16_t* act, int64_t t0, int64_t t1);
+void rope_store_avx2(const uint16_t* qkv, const uint16_t* cos_sin, const StepArgs& s,
+                     const CacheArgs& c, uint16_t* q_out, int64_t t0, int64_t t1);
+void attend_avx2(const uint16_t* q, const StepArgs& s, const CacheArgs& c, float scale,
+                 uint16_t* out, float* scratch, int64_t* offsets, int64_t i0, int64_t i1);
+
+// One tier's kernels, chosen once per op call from its `path` (layer_ops.cpp).
+struct LayerKernels {
+  void (*rms_norm)(const uint16_t*, const uint16_t*, int64_t, float, uint16_t*, int64_t,
+                   int64_t);
+  void (*add_inplace)(uint16_t*, const uint16_t*, int64_t);
+  void (*silu_mul)(const uint16_t*, int64_t, uint16_t*, int64_t, int64_t);
+  void (*rope_store)(const uint16_t*, const uint16_t*, const StepArgs&, const CacheArgs&,
+                     uint16_t*, int64_t, int64_t);
+  void (*attend)(const uint16_t*, const StepArgs&, const CacheArgs&, float, uint16_t*, float*,
+                 int64_t*, int64_t, int64_t);
+};
 
 }  // namespace pdmesh_dense

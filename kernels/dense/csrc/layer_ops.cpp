@@ -1,6 +1,9 @@
-// Torch bindings of the fused decoder layer (kernels in layer_avx512.cpp, GEMVs in ops.cpp):
+// Torch bindings of the fused decoder layer (kernels in layer_<tier>.cpp / attend_<tier>.cpp,
+// GEMVs in ops.cpp). Every op takes the code path `path` of dense.h (1 avx512, 2 avx2,
+// 3 avx512_bf16; 1 and 3 share the elementwise and attention kernels and differ in the GEMV
+// only) and raises if this CPU cannot run it.
 //   rope_attention(qkv, kv_layer!, cos_sin, block_tables, context_lens, query_start,
-//                  num_heads, num_kv_heads, scale) -> Tensor [T, H D]
+//                  num_heads, num_kv_heads, scale, path) -> Tensor [T, H D]
 //       RoPE on q and k, K/V written to the paged cache, causal attention over each sequence's
 //       context read straight from its block table (any T: prefill chunks and decode rows).
 //   decoder_layers(h!, kv_cache!, cos_sin, block_tables, context_lens, query_start,
@@ -13,8 +16,8 @@
 //       blocks uint8 [n, k/32, 16], scales uint8 [n, k/32], bias fp32) and runs the MXFP4
 //       library's fused kernel (op pdmesh_mxfp4::linear, code path mxfp4_path); without, it is
 //       dense bf16 [n, k] and runs this library's GEMV (code path `path`).
-//   rms_norm(x, w, eps) -> Tensor;  add_rms_norm(h!, y, w, eps) -> Tensor (h += y, then norm);
-//   silu_mul(gu [T, 2 I]) -> Tensor [T, I];  add_(h!, y) -> ()
+//   rms_norm(x, w, eps, path) -> Tensor;  add_rms_norm(h!, y, w, eps, path) -> Tensor
+//       (h += y, then norm);  silu_mul(gu [T, 2 I], path) -> Tensor [T, I];  add_(h!, y, path)
 //       The block's elementwise steps alone, for callers that run the projections themselves
 //       (an MXFP4 prefill, whose projections dequantise for torch's GEMM).
 // Shapes: qkv [T, (H + 2 KVH) D], kv_layer [2, num_blocks, block_size, KVH, D], cos_sin [P, D],
@@ -43,6 +46,18 @@ namespace {
 constexpr int64_t kGemvMaxRows = 32;  // more rows (prefill): torch's GEMM (oneDNN) instead
 constexpr int64_t kRowGrain = 8;      // rows per parallel chunk of the elementwise kernels
 constexpr int64_t kMinKeysPerChunk = 4096;  // attention: (row, kv head, key) triples per chunk
+
+constexpr LayerKernels kAvx512{rms_norm_avx512, add_inplace_avx512, silu_mul_avx512,
+                               rope_store_avx512, attend_avx512};
+constexpr LayerKernels kAvx2{rms_norm_avx2, add_inplace_avx2, silu_mul_avx2, rope_store_avx2,
+                             attend_avx2};
+
+// The kernels of code path `path`; raises if this CPU cannot run them.
+const LayerKernels& kernels_for(int64_t path) {
+  const char* why = path_unavailable(path);
+  TORCH_CHECK(why == nullptr, "dense layer: code path ", path, " cannot run: ", why);
+  return path == kPathAvx2 ? kAvx2 : kAvx512;
+}
 
 uint16_t* bits(const at::Tensor& t) {
   return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
@@ -94,14 +109,15 @@ Step make_step(const at::Tensor& tables, const at::Tensor& ctx, const at::Tensor
 }
 
 // RoPE + cache write, then attention: qkv [T, (H + 2 KVH) D] -> [T, H D].
-at::Tensor attention_core(const at::Tensor& qkv, at::Tensor& kv, const at::Tensor& cos_sin,
-                          const Step& s, int64_t heads, int64_t kv_heads, double scale) {
+at::Tensor attention_core(const LayerKernels& k, const at::Tensor& qkv, at::Tensor& kv,
+                          const at::Tensor& cos_sin, const Step& s, int64_t heads,
+                          int64_t kv_heads, double scale) {
   const int64_t d = kv.size(4), rows = s.rows;
   const CacheArgs c{bits(kv[0]), bits(kv[1]), heads, kv_heads, d};
   at::Tensor q = at::empty({rows, heads * d}, qkv.options());
   at::Tensor out = at::empty({rows, heads * d}, qkv.options());
   at::parallel_for(0, rows, 16, [&](int64_t t0, int64_t t1) {
-    rope_store_avx512(bits(qkv), bits(cos_sin), s.args, c, bits(q), t0, t1);
+    k.rope_store(bits(qkv), bits(cos_sin), s.args, c, bits(q), t0, t1);
   });
   const int64_t group = heads / kv_heads;
   // Work items of at least kMinKeysPerChunk keys per chunk: a decode step's few short items run
@@ -109,17 +125,16 @@ at::Tensor attention_core(const at::Tensor& qkv, at::Tensor& kv, const at::Tenso
   const int64_t grain =
       std::max<int64_t>(1, kMinKeysPerChunk / std::max<int64_t>(1, s.max_context));
   at::parallel_for(0, rows * kv_heads, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scratch(group * s.max_context);
+    std::vector<float> scratch(group * (s.max_context + d));
     std::vector<int64_t> offsets(s.max_context);
-    attend_avx512(bits(q), s.args, c, static_cast<float>(scale), bits(out), scratch.data(),
-                  offsets.data(), i0, i1);
+    k.attend(bits(q), s.args, c, static_cast<float>(scale), bits(out), scratch.data(),
+             offsets.data(), i0, i1);
   });
   return out;
 }
 
 void check_geometry(const at::Tensor& qkv, const at::Tensor& kv, const at::Tensor& cos_sin,
                     int64_t heads, int64_t kv_heads) {
-  TORCH_CHECK(cpu_support().avx512, "dense layer: this CPU lacks avx512f/bw/vl/dq");
   check_tensor(qkv, "qkv", at::kBFloat16, 2);
   check_tensor(kv, "kv_layer", at::kBFloat16, 5);
   check_tensor(cos_sin, "cos_sin", at::kBFloat16, 2);
@@ -133,10 +148,11 @@ void check_geometry(const at::Tensor& qkv, const at::Tensor& kv, const at::Tenso
 
 at::Tensor rope_attention(const at::Tensor& qkv, at::Tensor kv, const at::Tensor& cos_sin,
                           const at::Tensor& tables, const at::Tensor& ctx, const at::Tensor& qs,
-                          int64_t heads, int64_t kv_heads, double scale) {
+                          int64_t heads, int64_t kv_heads, double scale, int64_t path) {
+  const LayerKernels& k = kernels_for(path);
   check_geometry(qkv, kv, cos_sin, heads, kv_heads);
   const Step s = make_step(tables, ctx, qs, qkv.size(0), kv, cos_sin.size(0));
-  return attention_core(qkv, kv, cos_sin, s, heads, kv_heads, scale);
+  return attention_core(k, qkv, kv, cos_sin, s, heads, kv_heads, scale);
 }
 
 // One projection's parameters: dense bf16 w [n, k] (scales empty), or MXFP4 with w = blocks
@@ -159,8 +175,9 @@ struct Heads {
   int64_t heads, kv_heads;
   float eps;
   double scale;
-  int64_t path;        // dense GEMV code path (ops.cpp linear)
+  int64_t path;        // dense code path (ops.cpp linear, and `kernels`)
   int64_t mxfp4_path;  // the MXFP4 library's code path for packed projections
+  const LayerKernels* kernels;  // path's elementwise and attention kernels
 };
 
 // The MXFP4 library's fused linear, found through the dispatcher: that library is built and
@@ -181,20 +198,28 @@ at::Tensor project(const at::Tensor& x, const Proj& p, const Heads& g) {
   return x.size(0) <= kGemvMaxRows ? linear(x, p.w, p.bias, g.path) : at::linear(x, p.w, p.bias);
 }
 
-void rms_norm_rows(const at::Tensor& h, const at::Tensor& w, float eps, at::Tensor& out) {
+void rms_norm_rows(const LayerKernels& k, const at::Tensor& h, const at::Tensor& w, float eps,
+                   at::Tensor& out) {
   at::parallel_for(0, h.size(0), kRowGrain, [&](int64_t t0, int64_t t1) {
-    rms_norm_avx512(bits(h), bits(w), h.size(1), eps, bits(out), t0, t1);
+    k.rms_norm(bits(h), bits(w), h.size(1), eps, bits(out), t0, t1);
   });
 }
 
-void add_rows(at::Tensor& h, const at::Tensor& y) {
+void add_rows(const LayerKernels& k, at::Tensor& h, const at::Tensor& y) {
   const int64_t n = h.size(1);
   at::parallel_for(0, h.size(0), kRowGrain, [&](int64_t t0, int64_t t1) {
-    add_inplace_avx512(bits(h) + t0 * n, bits(y) + t0 * n, (t1 - t0) * n);
+    k.add_inplace(bits(h) + t0 * n, bits(y) + t0 * n, (t1 - t0) * n);
   });
 }
 
-at::Tensor silu_mul_op(const at::Tensor& gu);  // below, with the other elementwise ops
+at::Tensor silu_mul_rows(const LayerKernels& k, const at::Tensor& gu) {
+  const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
+  at::Tensor act = at::empty({rows, inter}, gu.options());
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t t0, int64_t t1) {
+    k.silu_mul(bits(gu), inter, bits(act), t0, t1);
+  });
+  return act;
+}
 
 // h [T, hidden] <- the whole pre-norm block, in place; s was validated against this cache.
 void run_block(at::Tensor& h, at::Tensor kv, const at::Tensor& cos_sin, const Step& s,
@@ -207,15 +232,16 @@ void run_block(at::Tensor& h, at::Tensor kv, const at::Tensor& cos_sin, const St
                   w.gate_up.in_features() == hidden && w.gate_up.out_features() == 2 * inter &&
                   w.down.out_features() == hidden && w.o.in_features() == g.heads * kv.size(4),
               "dense layer: weight shapes do not match hidden / intermediate sizes");
+  const LayerKernels& k = *g.kernels;
   at::Tensor xn = at::empty({rows, hidden}, h.options());
-  rms_norm_rows(h, w.ln1, g.eps, xn);
+  rms_norm_rows(k, h, w.ln1, g.eps, xn);
   const at::Tensor qkv = project(xn, w.qkv, g);
   check_geometry(qkv, kv, cos_sin, g.heads, g.kv_heads);
-  const at::Tensor attn = attention_core(qkv, kv, cos_sin, s, g.heads, g.kv_heads, g.scale);
-  add_rows(h, project(attn, w.o, g));
-  rms_norm_rows(h, w.ln2, g.eps, xn);
+  const at::Tensor attn = attention_core(k, qkv, kv, cos_sin, s, g.heads, g.kv_heads, g.scale);
+  add_rows(k, h, project(attn, w.o, g));
+  rms_norm_rows(k, h, w.ln2, g.eps, xn);
   const at::Tensor gu = project(xn, w.gate_up, g);
-  add_rows(h, project(silu_mul_op(gu), w.down, g));
+  add_rows(k, h, project(silu_mul_rows(k, gu), w.down, g));
 }
 
 constexpr int64_t kWeightsPerLayer = 14;  // ln1, ln2, 4 x (weight, scales, bias)
@@ -256,7 +282,8 @@ void decoder_layers(at::Tensor h, at::Tensor kv_cache, const at::Tensor& cos_sin
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * layers,
               "dense layer: weights must hold ", kWeightsPerLayer, " entries per cache layer");
   const Step s = make_step(tables, ctx, qs, h.size(0), kv_cache[0], cos_sin.size(0));
-  const Heads g{heads, kv_heads, static_cast<float>(eps), scale, path, mxfp4_path};
+  const Heads g{heads, kv_heads, static_cast<float>(eps), scale, path, mxfp4_path,
+                &kernels_for(path)};
   for (int64_t i = 0; i < layers; ++i) {
     run_block(h, kv_cache[i], cos_sin, s, layer_block(weights, i), g);
   }
@@ -268,37 +295,33 @@ void check_rows(const at::Tensor& x, const at::Tensor& y) {
   TORCH_CHECK(x.sizes() == y.sizes(), "dense layer: residual and update shapes differ");
 }
 
-at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps) {
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps, int64_t path) {
+  const LayerKernels& k = kernels_for(path);
   check_tensor(x, "x", at::kBFloat16, 2);
   check_tensor(w, "w", at::kBFloat16, 1);
   TORCH_CHECK(w.size(0) == x.size(1), "dense layer: norm weight does not match x");
-  TORCH_CHECK(cpu_support().avx512, "dense layer: this CPU lacks avx512f/bw/vl/dq");
   at::Tensor out = at::empty(x.sizes(), x.options());
-  rms_norm_rows(x, w, static_cast<float>(eps), out);
+  rms_norm_rows(k, x, w, static_cast<float>(eps), out);
   return out;
 }
 
-void add_op(at::Tensor h, const at::Tensor& y) {
+void add_op(at::Tensor h, const at::Tensor& y, int64_t path) {
+  const LayerKernels& k = kernels_for(path);
   check_rows(h, y);
-  TORCH_CHECK(cpu_support().avx512, "dense layer: this CPU lacks avx512f/bw/vl/dq");
-  add_rows(h, y);
+  add_rows(k, h, y);
 }
 
-at::Tensor add_rms_norm_op(at::Tensor h, const at::Tensor& y, const at::Tensor& w, double eps) {
-  add_op(h, y);
-  return rms_norm_op(h, w, eps);
+at::Tensor add_rms_norm_op(at::Tensor h, const at::Tensor& y, const at::Tensor& w, double eps,
+                           int64_t path) {
+  add_op(h, y, path);
+  return rms_norm_op(h, w, eps, path);
 }
 
-at::Tensor silu_mul_op(const at::Tensor& gu) {
+at::Tensor silu_mul_op(const at::Tensor& gu, int64_t path) {
+  const LayerKernels& k = kernels_for(path);
   check_tensor(gu, "gu", at::kBFloat16, 2);
   TORCH_CHECK(gu.size(1) % 2 == 0, "dense layer: gate/up width must be even");
-  TORCH_CHECK(cpu_support().avx512, "dense layer: this CPU lacks avx512f/bw/vl/dq");
-  const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
-  at::Tensor act = at::empty({rows, inter}, gu.options());
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t t0, int64_t t1) {
-    silu_mul_avx512(bits(gu), inter, bits(act), t0, t1);
-  });
-  return act;
+  return silu_mul_rows(k, gu);
 }
 
 }  // namespace
@@ -307,17 +330,18 @@ at::Tensor silu_mul_op(const at::Tensor& gu) {
 TORCH_LIBRARY_FRAGMENT(pdmesh_dense, m) {
   m.def(
       "rope_attention(Tensor qkv, Tensor(a!) kv_layer, Tensor cos_sin, Tensor block_tables, "
-      "Tensor context_lens, Tensor query_start, int num_heads, int num_kv_heads, float scale) "
-      "-> Tensor",
+      "Tensor context_lens, Tensor query_start, int num_heads, int num_kv_heads, float scale, "
+      "int path) -> Tensor",
       &pdmesh_dense::rope_attention);
   m.def(
       "decoder_layers(Tensor(a!) h, Tensor(b!) kv_cache, Tensor cos_sin, Tensor block_tables, "
       "Tensor context_lens, Tensor query_start, Tensor?[] weights, int num_heads, "
       "int num_kv_heads, float eps, float scale, int path, int mxfp4_path) -> ()",
       &pdmesh_dense::decoder_layers);
-  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &pdmesh_dense::rms_norm_op);
-  m.def("add_rms_norm(Tensor(a!) h, Tensor y, Tensor w, float eps) -> Tensor",
+  m.def("rms_norm(Tensor x, Tensor w, float eps, int path) -> Tensor",
+        &pdmesh_dense::rms_norm_op);
+  m.def("add_rms_norm(Tensor(a!) h, Tensor y, Tensor w, float eps, int path) -> Tensor",
         &pdmesh_dense::add_rms_norm_op);
-  m.def("silu_mul(Tensor gu) -> Tensor", &pdmesh_dense::silu_mul_op);
-  m.def("add_(Tensor(a!) h, Tensor y) -> ()", &pdmesh_dense::add_op);
+  m.def("silu_mul(Tensor gu, int path) -> Tensor", &pdmesh_dense::silu_mul_op);
+  m.def("add_(Tensor(a!) h, Tensor y, int path) -> ()", &pdmesh_dense::add_op);
 }

@@ -2,9 +2,11 @@
 // in seconds, where <torch/extension.h> alone takes half a minute on two cores).
 //   features() -> int
 //   linear(Tensor x, Tensor w, Tensor? bias, int path) -> Tensor
-// path: 0 FMA kernel (any x), 1 dpbf16 kernel (bf16 x, avx512_bf16 CPUs). Python
+// path (dense.h): 1 AVX-512 FMA kernel, 2 AVX2 FMA kernel, 3 the dpbf16 kernel for bf16 x (the
+// AVX-512 FMA kernel for fp32 x). A path this CPU cannot run raises. Python
 // (kernels/dense/backend.py) routes what these kernels cannot take to torch; the checks here
 // guard memory safety. A non-contiguous x is copied; w needs contiguous rows (any row stride).
+// This TU is compiled for baseline x86-64: it only detects the CPU and calls into the kernel TUs.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -18,19 +20,24 @@ namespace pdmesh_dense {
 namespace {
 
 // features() bits.
-constexpr int64_t kCpuAvx512 = 1;  // the FMA kernel runs here
-constexpr int64_t kCpuBf16 = 2;    // ... and so does the dpbf16 kernel
+constexpr int64_t kCpuAvx512 = 1;  // the AVX-512 kernels run here (path 1)
+constexpr int64_t kCpuBf16 = 2;    // ... and so does the dpbf16 kernel (path 3)
+constexpr int64_t kCpuAvx2 = 4;    // the AVX2 + FMA + F16C kernels run here (path 2)
 // Below this many weight bytes per parallel chunk, a second thread costs more than it saves.
 constexpr int64_t kMinChunkBytes = int64_t{48} << 10;
 
-int64_t features() {
-  const CpuSupport s = cpu_support();
-  return (s.avx512 ? kCpuAvx512 : 0) | (s.bf16 ? kCpuBf16 : 0);
+CpuSupport detect() {
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return {avx2, avx512, avx512 && __builtin_cpu_supports("avx512bf16")};
 }
 
-const CpuSupport& cpu() {
-  static const CpuSupport support = cpu_support();
-  return support;
+int64_t features() {
+  const CpuSupport& s = cpu_support();
+  return (s.avx512 ? kCpuAvx512 : 0) | (s.bf16 ? kCpuBf16 : 0) | (s.avx2 ? kCpuAvx2 : 0);
 }
 
 void check_inputs(const at::Tensor& x, const at::Tensor& w,
@@ -51,26 +58,49 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w,
 
 }  // namespace
 
+const CpuSupport& cpu_support() {
+  static const CpuSupport support = detect();
+  return support;
+}
+
+const char* path_unavailable(int64_t path) {
+  const CpuSupport& s = cpu_support();
+  switch (path) {
+    case kPathAvx512:
+      return s.avx512 ? nullptr : "this CPU lacks avx512f/avx512bw/avx512vl/avx512dq";
+    case kPathAvx2:
+      return s.avx2 ? nullptr : "this CPU lacks avx2/fma/f16c";
+    case kPathAvx512Bf16:
+      return s.bf16 ? nullptr : "this CPU lacks avx512_bf16 (or avx512f/bw/vl/dq)";
+    default:
+      return "unknown code path (expected 1 avx512, 2 avx2 or 3 avx512_bf16)";
+  }
+}
+
 // Not static: layer_ops.cpp's fused decoder layer calls it for its four projections.
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w,
                   const std::optional<at::Tensor>& bias, int64_t path) {
   check_inputs(x_in, w, bias);
-  TORCH_CHECK(cpu().avx512, "dense: this CPU lacks avx512f/bw/vl/dq");
+  const char* why = path_unavailable(path);
+  TORCH_CHECK(why == nullptr, "dense: code path ", path, " cannot run: ", why);
   const at::Tensor x = x_in.contiguous();  // a no-op (no copy) on the decode path
-  TORCH_CHECK(path == 0 || path == 1, "dense: unknown code path ", path);
-  const bool dp = path == 1;
   const bool x_bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(!dp || (x_bf16 && cpu().bf16),
-              "dense: the dpbf16 path needs bf16 x and avx512_bf16");
+  const bool dp = path == kPathAvx512Bf16 && x_bf16;  // vdpbf16ps takes bf16 x only
+  const bool avx2 = path == kPathAvx2;
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  const int64_t kpad = (k + kChunk - 1) / kChunk * kChunk;
+  const int64_t chunk = avx2 ? kChunk2 : kChunk;
+  const int64_t kpad = (k + chunk - 1) / chunk * chunk;
   at::Tensor xr;  // the FMA kernel's reordered fp32 copy of x
   if (!dp) {
     xr = at::empty({m, kpad}, x.options().dtype(at::kFloat));
     const auto* xb =
         x_bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
-    reorder_x_avx512(x_bf16 ? nullptr : x.data_ptr<float>(), xb, m, k, kpad,
-                     xr.data_ptr<float>());
+    const float* xf = x_bf16 ? nullptr : x.data_ptr<float>();
+    if (avx2) {
+      reorder_x_avx2(xf, xb, m, k, kpad, xr.data_ptr<float>());
+    } else {
+      reorder_x_avx512(xf, xb, m, k, kpad, xr.data_ptr<float>());
+    }
   }
   at::Tensor y = at::empty({m, n}, x.options());
   GemvArgs args{};
@@ -86,7 +116,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w,
   args.n = n;
   args.ldw = w.stride(0);
   args.kpad = kpad;
-  const GemvKernel kernel = dp ? gemv_dpbf16_avx512 : gemv_fma_avx512;
+  const GemvKernel kernel = dp ? gemv_dpbf16_avx512 : avx2 ? gemv_fma_avx2 : gemv_fma_avx512;
   const int64_t groups = (n + kGroup - 1) / kGroup;
   const int64_t group_bytes = kGroup * std::max<int64_t>(k, 1) * 2;
   const int64_t grain = std::max<int64_t>(1, kMinChunkBytes / group_bytes);
