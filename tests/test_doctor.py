@@ -7,6 +7,7 @@ import pytest
 from kernels.tier import Tier, max_tier
 from services.cli import main
 from services.doctor import MachineFacts, OverrideRefused, TorchVariant, advise, fix_commands
+from shared.config import auto_dtype
 from shared.kernel_tiers import (
     active_backend,
     backend_tier,
@@ -119,8 +120,10 @@ def test_doctor_shows_the_cpu_tier_and_the_cap_from_flag_or_env(capsys, monkeypa
     monkeypatch.delenv("PDMESH_TORCH_VARIANT", raising=False)
     monkeypatch.setenv("PDMESH_KERNEL_TIER", "avx2")
     assert main(["doctor", "--skip-components"]) in (0, 1)
-    line = _tier_line(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    line = _tier_line(out)
     assert f"cpu={cpu_tier().label} cap=avx2" in line and "requested: avx2" in line
+    assert f"dtype auto   {auto_dtype('avx2')} " in out
     assert main(["doctor", "--skip-components", "--kernel-tier", "reference"]) in (0, 1)
     assert "cap=reference" in _tier_line(capsys.readouterr().out)  # the flag wins
 

@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kernels.tier import set_max_tier
     from services.doctor import OverrideRefused, advise, component_status, gather_facts
-    from shared.config import kernel_tier_from_env
+    from shared.config import auto_dtype, kernel_tier_from_env
     from shared.kernel_tiers import kernel_tiers
 
     facts = gather_facts()
@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     set_max_tier(requested)  # as an engine would, before anything resolves a kernel path
     tiers = kernel_tiers(libraries=not args.skip_components, build=True)
     print(f"kernel tier  {tiers} (requested: {requested})")
+    print(f"dtype auto   {auto_dtype(requested)} (what serve, up and generate default to here)")
     if not args.skip_components:
         for name, state in component_status():
             print(f"{name:<12} {state}")

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from kernels.tier import TIER_CHOICES
-from shared.config import DEFAULT_MODEL
+from shared.config import DEFAULT_MODEL, DTYPE_CHOICES
 
 HELP = "Generate text for one prompt (--prompt) or one chat message (--chat) offline."
 
@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="auto: bfloat16 where a native kernel tier runs, else float32")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--quantization", choices=("mxfp4",), default=None)
     parser.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,

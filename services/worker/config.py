@@ -16,7 +16,14 @@ from kernels.tier import TIER_CHOICES
 from services.common.units import parse_size
 from services.kv_transfer.config import KVTransferConfig
 from services.kv_transfer.config import add_arguments as add_kv_arguments
-from shared.config import DEFAULT_MODEL, KERNEL_TIER_ENV, EngineConfig, kernel_tier_from_env
+from shared.config import (
+    DEFAULT_MODEL,
+    DTYPE_CHOICES,
+    KERNEL_TIER_ENV,
+    EngineConfig,
+    auto_dtype,
+    kernel_tier_from_env,
+)
 from shared.pipeline import config as pipeline_config
 from shared.pipeline.config import PipelineConfig
 
@@ -118,9 +125,15 @@ class WorkerConfig:
         keys = tuple(args.api_key or ())
         if not keys:
             keys = tuple(k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip())
+        pipeline = pipeline_config.from_args(args)
+        kernel_tier = (args.kernel_tier if args.kernel_tier is not None
+                       else kernel_tier_from_env(environ))
+        # auto: the faster dtype on this CPU; pipeline stages run no native kernels (fp32).
+        dtype = (auto_dtype(kernel_tier, native_decode=not pipeline.enabled)
+                 if args.dtype == "auto" else args.dtype)
         engine = EngineConfig(
             model=args.model,
-            dtype=args.dtype,
+            dtype=dtype,
             max_model_len=args.max_model_len,
             block_size=args.block_size,
             kv_cache_memory_bytes=parse_size(args.kv_cache_memory),
@@ -132,8 +145,7 @@ class WorkerConfig:
             quantization=args.quantization,
             quantize_lm_head=args.quantize_lm_head,
             seed=args.seed,
-            kernel_tier=(args.kernel_tier if args.kernel_tier is not None
-                         else kernel_tier_from_env(environ)),
+            kernel_tier=kernel_tier,
         )
         role = WorkerRole(args.role)
         kv = None if role is WorkerRole.MIXED else KVTransferConfig.from_args(args, role.value, environ)
@@ -149,7 +161,7 @@ class WorkerConfig:
             max_queue=args.max_queue,
             drain_grace_seconds=args.drain_grace_seconds,
             served_model_names=tuple(args.served_model_name or ()),
-            pipeline=pipeline_config.from_args(args),
+            pipeline=pipeline,
         )
 
 
@@ -173,7 +185,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences allowed beyond --max-num-seqs before answering 429")
     parser.add_argument("--drain-grace-seconds", type=float, default=w.drain_grace_seconds)
     eng = parser.add_argument_group("engine")
-    eng.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
+    eng.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                     help="auto (default): bfloat16 where a native kernel tier (avx2 and up) "
+                          "runs the decode, else float32; see `pdmesh doctor`")
     eng.add_argument("--max-model-len", type=int, default=None)
     eng.add_argument("--block-size", type=int, default=d.block_size)
     eng.add_argument("--kv-cache-memory", default="256MiB", help="KV-cache budget, e.g. 256MiB")

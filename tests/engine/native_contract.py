@@ -45,9 +45,12 @@ class PositionStats:
 
 class LogitRecorder:
     """Wraps an engine's runner to keep, per request id, every sampled token and the fp32
-    logits [V] it was sampled from (runner rows map back to requests in batch order)."""
+    logits [V] it was sampled from (runner rows map back to requests in batch order). One per
+    engine: a second would record through the first."""
 
     def __init__(self, engine: LLMEngine) -> None:
+        if getattr(engine.runner, "recorded", False):
+            raise ValueError("this engine already has a LogitRecorder")
         self.tokens: dict[str, list[int]] = defaultdict(list)
         self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
         runner, model = engine.runner, engine.runner.model
@@ -73,6 +76,7 @@ class LogitRecorder:
 
         model.compute_logits = recording_logits  # instance attributes shadow the methods
         runner.execute = recording_execute
+        runner.recorded = True
 
     def stacked(self, request_id: str) -> torch.Tensor:
         """logits [N, V] of request_id's N sampled tokens."""

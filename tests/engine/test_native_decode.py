@@ -191,6 +191,8 @@ def test_recorder_and_teacher_forced_reference_on_the_plain_fp32_path(make_engin
         for out in engine.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert dict(recorder.tokens) == got
+    with pytest.raises(ValueError, match="already has a LogitRecorder"):
+        LogitRecorder(engine)
     plain, _ = load_model(small_ckpt, "float32")
     for i, ids in enumerate(prompts):
         rid, tokens = f"q{i}", got[f"q{i}"]

@@ -6,11 +6,11 @@ import argparse
 
 import pytest
 
-from kernels.tier import TIER_CHOICES
+from kernels.tier import TIER_CHOICES, Tier
 from services.common.middleware import ApiKeyAuth, api_prefix_predicate
 from services.common.units import parse_size
 from services.worker.config import KVLoadFailurePolicy, WorkerConfig, WorkerRole, add_arguments
-from shared.config import EngineConfig
+from shared.config import EngineConfig, auto_dtype
 
 
 def parse(argv: list[str], environ: dict[str, str] | None = None) -> WorkerConfig:
@@ -104,6 +104,34 @@ def test_serve_refuses_a_bad_env_tier_without_a_traceback(
     err = capsys.readouterr().err
     assert "pdmesh serve: PDMESH_KERNEL_TIER='avx9': unknown kernel tier" in err
     assert "Traceback" not in err
+
+
+# The dtype `auto` stands for, per CPU kind (cpu tier, cap): bf16 where a native tier decodes.
+@pytest.mark.parametrize("cpu, cap, native, dtype", [
+    (Tier.AVX512_BF16, "auto", True, "bfloat16"),  # AMD Zen 4/5
+    (Tier.AVX512, "auto", True, "bfloat16"),  # Intel AVX-512 without bf16 dot products
+    (Tier.AVX2, "auto", True, "bfloat16"),  # AMD Zen 2/3
+    (Tier.AVX512_BF16, "avx2", True, "bfloat16"),
+    (Tier.PORTABLE, "auto", True, "float32"),  # no SIMD tier: plain torch decodes
+    (Tier.AVX512_BF16, "portable", True, "float32"),
+    (Tier.AVX2, "reference", True, "float32"),
+    (Tier.AVX512_BF16, "auto", False, "float32"),  # a pipeline stage: plain torch layers
+])
+def test_auto_dtype_per_cpu_kind(cpu: Tier, cap: str, native: bool, dtype: str) -> None:
+    assert auto_dtype(cap, native_decode=native, cpu=cpu) == dtype
+
+
+def test_dtype_defaults_to_auto_resolved_for_this_cpu() -> None:
+    assert parse([]).engine.dtype == auto_dtype("auto")
+    assert parse(["--kernel-tier", "reference"]).engine.dtype == "float32"
+    assert parse([], {"PDMESH_KERNEL_TIER": "reference"}).engine.dtype == "float32"
+    assert parse(["--pp-size", "2"]).engine.dtype == "float32"
+    for dtype in ("float32", "bfloat16"):
+        assert parse(["--dtype", dtype, "--kernel-tier", "reference"]).engine.dtype == dtype
+    assert EngineConfig(dtype="auto", kernel_tier="reference").dtype == "float32"
+    assert EngineConfig(dtype="auto", kernel_tier="avx2").dtype == auto_dtype("avx2")
+    with pytest.raises(ValueError, match="dtype must be auto, float32 or bfloat16"):
+        EngineConfig(dtype="float16")
 
 
 def test_roles_and_kv_flags() -> None:
