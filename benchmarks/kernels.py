@@ -1,6 +1,6 @@
 """MXFP4 CPU kernels: dequantisation bandwidth and the fused decode GEMV against torch.
 
-    .venv/bin/python benchmarks/kernels.py [--threads N] [--min-time 0.3] [--backend avx512]
+    .venv/bin/python benchmarks/kernels.py [--threads N] [--min-time 0.3] [--backend avx2]
 
 dequant   GB/s of output written, against a memcpy of the same output size: `clone()`
           (allocates, as dequantize() does) and `copy_` into a preallocated tensor (as
@@ -130,7 +130,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds per measurement")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (best kept)")
-    parser.add_argument("--backend", default=None, help="reference | scalar | avx512 (default: fastest)")
+    parser.add_argument("--backend", default=None, help="reference | scalar | avx2 | avx512 | "
+                        "avx512_bf16 (default: the fastest under the tier cap)")
     parser.add_argument("--only", choices=("dequant", "gemv"), default=None)
     args = parser.parse_args()
     if args.threads:

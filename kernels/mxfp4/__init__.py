@@ -4,8 +4,9 @@
     w2 = dequantize(blocks, scales, torch.bfloat16)
     y = linear(x, blocks, scales, bias)           # x @ W.T, W stored as [N, K/32, 16], [N, K/32]
 
-Each function takes backend=None | "reference" | "scalar" | "avx512"; None picks the fastest
-available. The C++ library is JIT-built at first use (see build.py); configure() chooses where
+Each function takes backend=None | "reference" | "scalar" | "avx2" | "avx512" | "avx512_bf16";
+None picks the fastest this CPU runs whose kernels.tier.Tier is at most kernels.tier.max_tier()
+(explicit names are not capped). The C++ library is JIT-built at first use (see build.py); configure() chooses where
 and which variant, build_info() reports what is active (for `pdmesh doctor`). If it cannot be
 built, a RuntimeWarning is issued and everything runs on the plain-torch reference.
 """
@@ -17,11 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import tier
 from kernels.mxfp4.backend import (
-    FASTEST_FIRST,
     Backend,
     BackendUnavailableError,
     KernelPath,
+    cpu_tier,
     runnable_backends,
     unavailable_reason,
 )
@@ -46,7 +48,7 @@ __all__ = [
 
 _config: BuildConfig | None = None
 _config_lock = threading.Lock()
-_paths: dict[str | Backend | None, KernelPath] = {}  # resolved backend arguments (per config)
+_paths: dict[str | Backend | None, KernelPath] = {}  # resolved backend arguments (per config, cap)
 
 
 def configure(config: BuildConfig) -> None:
@@ -55,6 +57,15 @@ def configure(config: BuildConfig) -> None:
     with _config_lock:
         _config = config
         _paths.clear()
+
+
+def _forget_paths() -> None:
+    """A new tier cap: backend=None must be resolved again."""
+    with _config_lock:
+        _paths.clear()
+
+
+tier.on_cap_change(_forget_paths)
 
 
 def _current_config() -> BuildConfig:
@@ -70,7 +81,8 @@ def _build() -> BuildResult:
 
 
 def available_backends() -> list[str]:
-    """Backends this machine can run, fastest first (builds the library on first call)."""
+    """Backends this machine can run, fastest first, whatever the tier cap (builds the library on
+    first call)."""
     return [str(b) for b in runnable_backends(_build())]
 
 
@@ -87,7 +99,8 @@ def _resolve(backend: str | Backend | None) -> KernelPath:
     build = _build()
     runnable = runnable_backends(build)
     if backend is None:
-        chosen = next(b for b in FASTEST_FIRST if b in runnable)
+        cap = tier.max_tier()
+        chosen = next(b for b in runnable if b.tier <= cap)  # the reference is always runnable
     else:
         try:
             chosen = Backend(backend)
@@ -132,7 +145,8 @@ def linear(
 
 @dataclass(frozen=True)
 class BuildInfo:
-    """What `pdmesh doctor` shows: the build's state and which path None picks."""
+    """What `pdmesh doctor` shows: the build's state, the CPU's tier, the cap and which backend
+    None picks (`active`)."""
 
     variant: str
     state: str
@@ -141,9 +155,12 @@ class BuildInfo:
     seconds: float
     compiled: bool
     error: str | None
-    cpu_avx512: bool | None  # None: unknown (the library is not loaded)
+    cpu_avx2: bool | None  # avx2 + fma + f16c; None: unknown (the library is not loaded)
+    cpu_avx512: bool | None
     cpu_avx512_bf16: bool | None
-    available: tuple[str, ...]
+    cpu_tier: str | None  # the highest tier this CPU executes (None: unknown)
+    max_tier: str  # the cap on backend=None (kernels.tier.max_tier())
+    available: tuple[str, ...]  # runnable here, fastest first, uncapped
     active: str
 
     def to_dict(self) -> dict[str, object]:
@@ -158,8 +175,10 @@ class BuildInfo:
         else:
             build = f"{self.variant} build not attempted"
         flags = {True: "yes", False: "no", None: "unknown"}
-        cpu = f"cpu avx512={flags[self.cpu_avx512]} avx512_bf16={flags[self.cpu_avx512_bf16]}"
-        return f"active={self.active} (available: {', '.join(self.available)}); {build}; {cpu}"
+        cpu = (f"cpu tier {self.cpu_tier or 'unknown'} (avx2={flags[self.cpu_avx2]} "
+               f"avx512={flags[self.cpu_avx512]} avx512_bf16={flags[self.cpu_avx512_bf16]})")
+        return (f"active={self.active} (cap {self.max_tier}; available: "
+                f"{', '.join(self.available)}); {build}; {cpu}")
 
 
 def build_info(build: bool = True) -> BuildInfo:
@@ -170,6 +189,8 @@ def build_info(build: bool = True) -> BuildInfo:
         result = BuildResult(config, BuildState.NOT_BUILT)
     runnable = runnable_backends(result)
     lib = result.library
+    cap = tier.max_tier()
+    top = cpu_tier(lib)
     return BuildInfo(
         variant=str(result.config.variant),
         state=str(result.state),
@@ -178,9 +199,11 @@ def build_info(build: bool = True) -> BuildInfo:
         seconds=round(result.seconds, 3),
         compiled=result.compiled,
         error=result.error,
+        cpu_avx2=None if lib is None else lib.cpu_avx2,
         cpu_avx512=None if lib is None else lib.cpu_avx512,
         cpu_avx512_bf16=None if lib is None else lib.cpu_bf16,
+        cpu_tier=None if top is None else top.label,
+        max_tier=cap.label,
         available=tuple(str(b) for b in runnable),
-        active=str(runnable[0]),
+        active=str(next(b for b in runnable if b.tier <= cap)),
     )
-

@@ -21,25 +21,49 @@ from kernels.mxfp4.format import (
     check_packed,
     check_weight,
 )
+from kernels.tier import Tier
 
 FUSED_MAX_ROWS = 32  # linear() with more rows dequantises once and calls torch's matmul
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # dtypes the C++ ops produce directly
 
 
 class Backend(StrEnum):
-    """A code path: the plain-torch oracle, or the C++ library's scalar or AVX-512 kernels."""
+    """A code path: the plain-torch oracle, or one of the C++ library's kernel sets.
+
+    Each backend sits on one rung of the kernels.tier ladder (`tier`) and, when compiled, has the
+    `path` id the C++ ops take (`path_id`; kernels.dense's fused layer passes it through too).
+    AVX512 never uses vdpbf16ps, even on a CPU that has it; AVX512_BF16 does for bf16 x.
+    """
 
     REFERENCE = "reference"
     SCALAR = "scalar"
+    AVX2 = "avx2"
     AVX512 = "avx512"
+    AVX512_BF16 = "avx512_bf16"
+
+    @property
+    def tier(self) -> Tier:
+        return _TIERS[self]
 
     @property
     def path_id(self) -> int:
-        """The `path` argument of the C++ ops."""
-        return {Backend.SCALAR: 0, Backend.AVX512: 1}[self]
+        """The `path` argument of the C++ ops; the reference has none (ValueError)."""
+        if self is Backend.REFERENCE:
+            raise ValueError("mxfp4: the reference backend has no C++ path id")
+        return _PATH_IDS[self]
 
 
-FASTEST_FIRST = (Backend.AVX512, Backend.SCALAR, Backend.REFERENCE)
+_TIERS = {
+    Backend.REFERENCE: Tier.REFERENCE,
+    Backend.SCALAR: Tier.PORTABLE,
+    Backend.AVX2: Tier.AVX2,
+    Backend.AVX512: Tier.AVX512,
+    Backend.AVX512_BF16: Tier.AVX512_BF16,
+}
+# The contract with csrc/ops.cpp (and kernels.dense's fused layer): keep these ids.
+_PATH_IDS = {Backend.SCALAR: 0, Backend.AVX512: 1, Backend.AVX2: 2, Backend.AVX512_BF16: 3}
+
+FASTEST_FIRST = tuple(sorted(Backend, key=lambda b: b.tier, reverse=True))
 
 
 class BackendUnavailableError(RuntimeError):
@@ -47,22 +71,50 @@ class BackendUnavailableError(RuntimeError):
 
 
 def runnable_backends(build: BuildResult) -> tuple[Backend, ...]:
-    """Backends this process can run with this build, fastest first."""
-    lib = build.library
-    found = [Backend.AVX512] if lib is not None and lib.cpu_avx512 else []
-    if lib is not None:
-        found.append(Backend.SCALAR)
-    return (*found, Backend.REFERENCE)
+    """Backends this process can run with this build, fastest first (not capped by the tier)."""
+    return tuple(b for b in FASTEST_FIRST if _runnable(b, build.library))
+
+
+def _runnable(backend: Backend, lib: Library | None) -> bool:
+    if backend is Backend.REFERENCE:
+        return True
+    if lib is None:
+        return False
+    return {
+        Backend.SCALAR: True,
+        Backend.AVX2: lib.has_avx2_code and lib.cpu_avx2,
+        Backend.AVX512: lib.has_avx512_code and lib.cpu_avx512,
+        Backend.AVX512_BF16: lib.has_avx512_code and lib.cpu_bf16,
+    }[backend]
+
+
+def cpu_tier(lib: Library | None) -> Tier | None:
+    """The highest tier this CPU can execute (by its features; None: the library is not loaded)."""
+    if lib is None:
+        return None
+    if lib.cpu_bf16:
+        return Tier.AVX512_BF16
+    if lib.cpu_avx512:
+        return Tier.AVX512
+    return Tier.AVX2 if lib.cpu_avx2 else Tier.PORTABLE
 
 
 def unavailable_reason(backend: Backend, build: BuildResult) -> str:
-    if build.library is None:
+    """Why `backend` is not in runnable_backends(build)."""
+    lib = build.library
+    if lib is None:
         return f"the C++ library did not build ({build.error or build.state})"
-    if backend is Backend.AVX512 and not build.library.has_avx512_code:
+    if backend is Backend.AVX2 and not lib.has_avx2_code:
+        return f"the {build.config.variant} build contains no AVX2 code"
+    if backend in (Backend.AVX512, Backend.AVX512_BF16) and not lib.has_avx512_code:
         return f"the {build.config.variant} build contains no AVX-512 code"
-    if backend is Backend.AVX512:
-        return "this CPU lacks avx512f/avx512bw/avx512vl/avx512dq"
-    return "unknown"
+    if backend is Backend.AVX2 and not lib.cpu_avx2:
+        return f"this CPU cannot run the avx2 tier: it lacks {'/'.join(lib.missing_avx2_features())}"
+    if backend in (Backend.AVX512, Backend.AVX512_BF16) and not lib.cpu_avx512:
+        return f"this CPU cannot run the {backend} tier: it lacks avx512f/avx512bw/avx512vl/avx512dq"
+    if backend is Backend.AVX512_BF16 and not lib.cpu_bf16:
+        return "this CPU cannot run the avx512_bf16 tier: it lacks avx512_bf16"
+    return f"{backend} is runnable"
 
 
 def _cpu_only(*tensors: torch.Tensor | None) -> None:

@@ -26,20 +26,25 @@ import torch
 CSRC = Path(__file__).parent / "csrc"
 
 _X86_64 = ("x86_64", "amd64")
-# Bits of the library's features() op (see csrc/ops.cpp).
+# Bits of the library's features() op (see csrc/ops.cpp): compiled code, and what the CPU has.
 _HAS_AVX512_CODE = 1
-_CPU_AVX512 = 2
-_CPU_BF16 = 4
+_CPU_AVX512 = 2  # avx512f/bw/vl/dq
+_CPU_BF16 = 4  # avx512_bf16 (with avx512)
+_HAS_AVX2_CODE = 8
+_CPU_AVX2 = 16
+_CPU_FMA = 32
+_CPU_F16C = 64
 
 
 # The full (AVX-512) variant's namespace: kernels/dense's fused decoder layer calls its linear op.
 FULL_NAMESPACE = "pdmesh_mxfp4"
 
 class Variant(StrEnum):
-    """Which code the library contains: scalar + AVX-512 with run-time dispatch, or scalar only."""
+    """Which code the library contains: scalar + AVX2 + AVX-512 with run-time dispatch, or scalar
+    only."""
 
     FULL = "full"
-    SCALAR_ONLY = "scalar_only"  # no AVX-512 code at all (no AVX-512 TU, no AVX-512 flags)
+    SCALAR_ONLY = "scalar_only"  # no AVX2 / AVX-512 code at all (no such TU, no such flags)
 
 
 class BuildState(StrEnum):
@@ -93,19 +98,36 @@ class Library:
     def ops(self) -> Any:
         return getattr(torch.ops, self.namespace)
 
+    def _has(self, *bits: int) -> bool:
+        return all(self.features & bit for bit in bits)
+
     @property
     def has_avx512_code(self) -> bool:
-        return bool(self.features & _HAS_AVX512_CODE)
+        return self._has(_HAS_AVX512_CODE)
+
+    @property
+    def has_avx2_code(self) -> bool:
+        return self._has(_HAS_AVX2_CODE)
+
+    @property
+    def cpu_avx2(self) -> bool:
+        """The CPU has avx2, fma and f16c (the AVX2 tier), whether or not the code is compiled in."""
+        return self._has(_CPU_AVX2, _CPU_FMA, _CPU_F16C)
 
     @property
     def cpu_avx512(self) -> bool:
-        """AVX-512 code compiled in and the CPU has avx512f/bw/vl/dq."""
-        return bool(self.features & _CPU_AVX512)
+        """The CPU has avx512f/bw/vl/dq, whether or not the code is compiled in."""
+        return self._has(_CPU_AVX512)
 
     @property
     def cpu_bf16(self) -> bool:
-        """The bf16-activation GEMV can use vdpbf16ps (avx512_bf16)."""
-        return bool(self.features & _CPU_BF16)
+        """The CPU has avx512_bf16 as well: bf16 x can use vdpbf16ps."""
+        return self._has(_CPU_AVX512, _CPU_BF16)
+
+    def missing_avx2_features(self) -> list[str]:
+        """The AVX2 tier's CPU features this CPU lacks (empty when it has them all)."""
+        named = (("avx2", _CPU_AVX2), ("fma", _CPU_FMA), ("f16c", _CPU_F16C))
+        return [name for name, bit in named if not self._has(bit)]
 
 
 @dataclass(frozen=True)
@@ -168,10 +190,11 @@ def _build(config: BuildConfig) -> BuildResult:
     missing = _missing_tool()
     if missing:
         return BuildResult(config, BuildState.FAILED, error=missing)
-    sources = [CSRC / "ops.cpp", CSRC / "scalar.cpp"]
+    sources = [CSRC / "ops.cpp", CSRC / "scalar.cpp", CSRC / "cpu.cpp"]
     cflags = ["-O3", "-fopenmp", f"-DPDMESH_MXFP4_NS={config.namespace}"]
     if config.variant is Variant.FULL:
-        sources += [CSRC / "avx512.cpp", CSRC / "avx512_linear.cpp"]
+        sources += [CSRC / name for name in
+                    ("avx2.cpp", "avx2_linear.cpp", "avx512.cpp", "avx512_linear.cpp")]
     else:
         cflags.append("-DPDMESH_MXFP4_SCALAR_ONLY")
     try:

@@ -10,10 +10,11 @@ from dense_helpers import DENSE_TIERS, dense_or_skip
 
 import kernels.dense as dense
 from kernels.mxfp4 import Backend, BuildConfig, BuildState, KernelPath, Variant
+from kernels.mxfp4.backend import runnable_backends, unavailable_reason
 from kernels.mxfp4.build import BuildResult, load
 
-# Every compiled code path: the full library's two, and the scalar-only library's one.
-CPP_PATHS = ("avx512", "scalar", "scalar_only")
+# Every compiled code path, one per tier of the full library, and the scalar-only library's one.
+CPP_PATHS = ("avx512_bf16", "avx512", "avx2", "scalar", "scalar_only")
 
 
 @pytest.fixture(scope="session")
@@ -25,15 +26,20 @@ def builds() -> dict[Variant, BuildResult]:
 
 @pytest.fixture(scope="session", params=CPP_PATHS)
 def cpp_path(request: pytest.FixtureRequest, builds: dict[Variant, BuildResult]) -> KernelPath:
-    """A compiled KernelPath. A failed build fails the test; only a CPU without AVX-512 skips."""
+    """A compiled KernelPath. A failed build, or a full build missing a tier's code, fails the
+    test; only a tier this CPU cannot execute skips."""
     variant = Variant.SCALAR_ONLY if request.param == "scalar_only" else Variant.FULL
     result = builds[variant]
     assert result.state is BuildState.READY, f"{variant} build failed: {result.error}"
-    assert result.library is not None
+    lib = result.library
+    assert lib is not None
+    assert lib.has_avx2_code and lib.has_avx512_code or variant is Variant.SCALAR_ONLY
     backend = Backend.SCALAR if request.param == "scalar_only" else Backend(request.param)
-    if backend is Backend.AVX512 and not result.library.cpu_avx512:
-        pytest.skip("this CPU lacks avx512f/bw/vl/dq")
-    return KernelPath(backend, result.library)
+    if backend not in runnable_backends(result):
+        reason = unavailable_reason(backend, result)
+        assert reason.startswith("this CPU cannot run"), reason
+        pytest.skip(reason)
+    return KernelPath(backend, lib)
 
 
 @pytest.fixture(scope="session", params=DENSE_TIERS)

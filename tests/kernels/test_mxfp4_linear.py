@@ -99,10 +99,14 @@ def test_shape_mismatch_raises(cpp_path: KernelPath) -> None:
         cpp_path.linear(torch.randn(2, 64), blocks, scales, torch.zeros(9))
 
 
-def test_thread_count_does_not_change_results(cpp_path: KernelPath) -> None:
-    # Threads split output columns; each column's summation order is fixed, so bits match.
-    blocks, scales, _ = _weights(576, 1536)
-    x = torch.randn(3, 576)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3, 32])
+def test_thread_count_does_not_change_results(cpp_path: KernelPath, dtype: torch.dtype,
+                                              batch: int) -> None:
+    # Threads split output columns (this shape gives several chunks at every batch); each
+    # column's summation order is fixed, so the bits match.
+    blocks, scales, w64 = _weights(576, 1536)
+    x = torch.randn(batch, 576, generator=torch.Generator().manual_seed(batch)).to(dtype)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -111,4 +115,6 @@ def test_thread_count_does_not_change_results(cpp_path: KernelPath) -> None:
         two = cpp_path.linear(x, blocks, scales)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(one.view(torch.int32), two.view(torch.int32))
+    _assert_close(one, x, w64, None)
+    assert torch.equal(one.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       two.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))

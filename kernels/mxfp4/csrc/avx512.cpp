@@ -1,7 +1,8 @@
 // AVX-512 MXFP4 kernels. Only the code between the target pragmas is compiled for AVX-512, so
 // the build needs no -mavx512* flag and the library still loads on any x86-64 CPU;
-// avx512_table() checks the CPU at run time before handing these kernels out. No std:: template
-// is used inside the AVX-512 region (its instantiation could be merged with a baseline copy).
+// avx512_table() / avx512_bf16_table() check the CPU at run time before handing these kernels
+// out. No std:: template is used inside the AVX-512 region (its instantiation could be merged
+// with a baseline copy).
 #include <immintrin.h>
 
 #include "kernels.h"
@@ -170,34 +171,22 @@ void dequantize_bf16_avx512(const uint8_t* blocks, const uint8_t* scales, int64_
 namespace pdmesh_mxfp4 {
 
 namespace {
-Avx512Support detect() {
-  __builtin_cpu_init();  // __builtin_cpu_supports also checks that the OS saves zmm state
-  const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  return {cpu, cpu && __builtin_cpu_supports("avx512bf16")};
-}
-}  // namespace
-
-Avx512Support avx512_support() {
-  static const Avx512Support support = detect();
-  return support;
-}
-
-namespace {
 const KernelTable kAvx512Table = {
     quantize_avx512, dequantize_f32_avx512, dequantize_bf16_avx512, linear_f32_avx512, nullptr,
-    nullptr,
+    nullptr, nullptr,
 };
 const KernelTable kAvx512Bf16Table = {
     quantize_avx512, dequantize_f32_avx512, dequantize_bf16_avx512, linear_f32_avx512,
-    linear_bf16_avx512, pair_x_bf16_avx512,
+    linear_bf16_avx512, pair_x_bf16_avx512, nullptr,
 };
 }  // namespace
 
-const KernelTable* avx512_table() {
-  const Avx512Support support = avx512_support();
-  if (!support.cpu) return nullptr;
-  return support.bf16 ? &kAvx512Bf16Table : &kAvx512Table;
+// Path 1 never uses vdpbf16ps, even on a CPU that has it (bf16 x is widened to fp32 there).
+const KernelTable* avx512_table() { return cpu_features().avx512 ? &kAvx512Table : nullptr; }
+
+const KernelTable* avx512_bf16_table() {
+  const CpuFeatures cpu = cpu_features();
+  return cpu.avx512 && cpu.avx512_bf16 ? &kAvx512Bf16Table : nullptr;
 }
 
 }  // namespace pdmesh_mxfp4

@@ -1,14 +1,14 @@
-// MXFP4 CPU kernels: the plain-C++ interface shared by the binding TU (ops.cpp) and the two
-// kernel TUs (scalar.cpp, avx512.cpp). Nothing here includes torch, so the kernel TUs compile in
-// about a second; only ops.cpp pays for the ATen headers.
+// MXFP4 CPU kernels: the plain-C++ interface shared by the binding TU (ops.cpp) and the kernel
+// TUs (scalar.cpp; avx2*.cpp; avx512*.cpp). Nothing here includes torch, so the kernel TUs
+// compile in about a second; only ops.cpp pays for the ATen headers.
 //
 // Format (OCP MX v1.0, as gpt-oss checkpoints): blocks of 32 FP4 E2M1 elements share one E8M0
 // scale 2^(s-127) (s == 255 is NaN). Byte i of a block's 16 packed bytes holds element 2i in its
 // low nibble and element 2i+1 in its high nibble.
 //
-// Every helper in this header is `static inline`: avx512.cpp compiles its code for AVX-512, and
-// a helper with external (COMDAT) linkage could be merged by the linker into the scalar TU's
-// copy, which would then execute AVX-512 code on a CPU without it.
+// Every helper in this header is `static inline`: avx2*.cpp and avx512*.cpp compile their code
+// for AVX2 / AVX-512, and a helper with external (COMDAT) linkage could be merged by the linker
+// into the scalar TU's copy, which would then execute AVX2 / AVX-512 code on a CPU without it.
 #pragma once
 
 #include <cstdint>
@@ -87,7 +87,9 @@ static inline uint16_t f32_to_bf16_rne(float f) {
 // Arguments of the fused y[m, n] = x[m, k] @ W[n, k].T (+ bias). Kernels are called on a range
 // of output columns [n0, n1) and write y[:, n0:n1] for all m rows.
 struct LinearArgs {
-  const float* x;         // [m, k] fp32, each 32-block reordered as 16 even then 16 odd elements
+  // [m, k] fp32, each 32-block permuted into the table's x_order (16 even then 16 odd elements
+  // unless the table names another order).
+  const float* x;
   const uint16_t* x_bf16; // [m, k] bf16 in natural order (only for linear_bf16)
   const uint16_t* x_pairs;  // [m, pairs(k) * 64] bf16 in pair layout (linear_bf16; see below)
   const uint8_t* blocks;  // [n, k/32, 16]
@@ -114,20 +116,33 @@ struct KernelTable {
   void (*linear_bf16)(const LinearArgs& a, int64_t n0, int64_t n1);  // nullptr: unsupported
   // x [m, k] bf16 -> out [m, x_pairs(k) * 64] in pair layout; set iff linear_bf16 is.
   void (*pair_x_bf16)(const uint16_t* x, int64_t m, int64_t k, uint16_t* out);
+  // The order linear_f32 reads each 32-block of x in: position i holds element x_order[i].
+  // nullptr: 16 even then 16 odd elements (the order of a block's low, then high nibbles).
+  const uint8_t* x_order;
 };
 
 const KernelTable& scalar_table();
 
-struct Avx512Support {
-  bool cpu;   // avx512f/bw/vl/dq present (and enabled by the OS)
-  bool bf16;  // avx512_bf16 present: linear_bf16 uses vdpbf16ps
+// What this CPU reports (__builtin_cpu_supports, which also checks that the OS saves the
+// ymm/zmm state). All false off x86.
+struct CpuFeatures {
+  bool avx2, fma, f16c;  // the AVX2 tier needs all three
+  bool avx512;           // avx512f/bw/vl/dq
+  bool avx512_bf16;      // avx512_bf16 (vdpbf16ps), on top of avx512
 };
+CpuFeatures cpu_features();
 
 #ifndef PDMESH_MXFP4_SCALAR_ONLY
-Avx512Support avx512_support();
-// The AVX-512 table, or nullptr when the CPU lacks the features.
+// The AVX2 table (path 2), or nullptr when the CPU lacks avx2/fma/f16c.
+const KernelTable* avx2_table();
+// The AVX-512 table without vdpbf16ps (path 1), or nullptr when the CPU lacks avx512f/bw/vl/dq.
 const KernelTable* avx512_table();
-// Fused kernels of avx512_linear.cpp; call only through avx512_table().
+// The AVX-512 table whose bf16-x linear uses vdpbf16ps (path 3), or nullptr without
+// avx512_bf16.
+const KernelTable* avx512_bf16_table();
+// Fused kernel of avx2_linear.cpp; call only through avx2_table().
+void linear_f32_avx2(const LinearArgs& a, int64_t n0, int64_t n1);
+// Fused kernels of avx512_linear.cpp; call only through avx512_table() / avx512_bf16_table().
 void linear_f32_avx512(const LinearArgs& a, int64_t n0, int64_t n1);
 void linear_bf16_avx512(const LinearArgs& a, int64_t n0, int64_t n1);
 void pair_x_bf16_avx512(const uint16_t* x, int64_t m, int64_t k, uint16_t* out);

@@ -6,8 +6,9 @@
 //   dequantize(Tensor blocks, Tensor scales, ScalarType dtype, int path) -> Tensor
 //   dequantize_into(Tensor blocks, Tensor scales, Tensor(a!) out, int path) -> ()
 //   linear(Tensor x, Tensor blocks, Tensor scales, Tensor? bias, int path) -> Tensor
-// path: 0 scalar, 1 avx512. Python (kernels/mxfp4/backend.py) validates dtypes and shapes and
-// makes inputs contiguous; the checks here only guard memory safety.
+// path: 0 scalar, 1 avx512 (no vdpbf16ps), 2 avx2, 3 avx512_bf16; one this CPU cannot run
+// raises. Python (kernels/mxfp4/backend.py) validates dtypes and shapes and makes inputs
+// contiguous; the checks here only guard memory safety.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -22,29 +23,51 @@
 namespace pdmesh_mxfp4 {
 namespace {
 
-// features() bits.
+// features() bits: which kernels are compiled in, and what this CPU reports. The Python side
+// (kernels/mxfp4/build.py) mirrors them.
 constexpr int64_t kHasAvx512Code = 1;  // the AVX-512 TUs are compiled in
-constexpr int64_t kCpuAvx512 = 2;      // the CPU runs them
-constexpr int64_t kCpuBf16 = 4;        // ... including avx512_bf16
+constexpr int64_t kCpuAvx512 = 2;      // the CPU has avx512f/bw/vl/dq
+constexpr int64_t kCpuBf16 = 4;        // ... and avx512_bf16
+constexpr int64_t kHasAvx2Code = 8;    // the AVX2 TUs are compiled in
+constexpr int64_t kCpuAvx2 = 16;       // the CPU has avx2
+constexpr int64_t kCpuFma = 32;        // ... fma
+constexpr int64_t kCpuF16c = 64;       // ... f16c
 constexpr int64_t kStreamBytes = int64_t{8} << 20;  // non-temporal stores above this output size
 
+// Code paths (the `path` argument; kernels/mxfp4/backend.py's Backend.path_id).
+constexpr int64_t kPathScalar = 0;
+constexpr int64_t kPathAvx512 = 1;      // AVX-512 kernels, never vdpbf16ps
+constexpr int64_t kPathAvx2 = 2;
+constexpr int64_t kPathAvx512Bf16 = 3;  // AVX-512 kernels, vdpbf16ps for bf16 x
+
 int64_t features() {
-#ifdef PDMESH_MXFP4_SCALAR_ONLY
-  return 0;
-#else
-  const Avx512Support s = avx512_support();
-  return kHasAvx512Code | (s.cpu ? kCpuAvx512 : 0) | (s.bf16 ? kCpuBf16 : 0);
+  const CpuFeatures cpu = cpu_features();
+  int64_t bits = (cpu.avx512 ? kCpuAvx512 : 0) | (cpu.avx512_bf16 ? kCpuBf16 : 0) |
+                 (cpu.avx2 ? kCpuAvx2 : 0) | (cpu.fma ? kCpuFma : 0) | (cpu.f16c ? kCpuF16c : 0);
+#ifndef PDMESH_MXFP4_SCALAR_ONLY
+  bits |= kHasAvx512Code | kHasAvx2Code;
 #endif
+  return bits;
 }
 
 const KernelTable& table_for(int64_t path) {
-  if (path == 0) return scalar_table();
+  if (path == kPathScalar) return scalar_table();
 #ifndef PDMESH_MXFP4_SCALAR_ONLY
-  if (path == 1) {
-    const KernelTable* t = avx512_table();
-    TORCH_CHECK(t != nullptr, "mxfp4: this CPU lacks avx512f/bw/vl/dq");
-    return *t;
+  const KernelTable* t = nullptr;
+  if (path == kPathAvx512) {
+    t = avx512_table();
+    TORCH_CHECK(t != nullptr, "mxfp4: code path 1 (avx512) needs avx512f/bw/vl/dq, which this "
+                "CPU lacks");
+  } else if (path == kPathAvx2) {
+    t = avx2_table();
+    TORCH_CHECK(t != nullptr, "mxfp4: code path 2 (avx2) needs avx2, fma and f16c, which this "
+                "CPU lacks");
+  } else if (path == kPathAvx512Bf16) {
+    t = avx512_bf16_table();
+    TORCH_CHECK(t != nullptr, "mxfp4: code path 3 (avx512_bf16) needs avx512f/bw/vl/dq and "
+                "avx512_bf16, which this CPU lacks");
   }
+  if (t != nullptr) return *t;
 #endif
   TORCH_CHECK(false, "mxfp4: code path ", path, " is not compiled into this library");
 }
@@ -113,27 +136,39 @@ at::Tensor dequantize(const at::Tensor& blocks, const at::Tensor& scales, at::Sc
   return out;
 }
 
-// x [m, k] (fp32 or bf16) -> fp32 [m, k] with each 32-block reordered as 16 even, 16 odd
-// elements: the order of the low and high nibbles of a block's bytes.
+// Position i of a reordered x block holds element order[i]: by default 16 even, then 16 odd
+// elements, the order of the low and then high nibbles of a block's bytes.
+struct BlockOrder {
+  uint8_t at[kBlock];
+};
+constexpr BlockOrder make_even_odd() {
+  BlockOrder o{};
+  for (int i = 0; i < kBlock / 2; ++i) {
+    o.at[i] = static_cast<uint8_t>(2 * i);
+    o.at[kBlock / 2 + i] = static_cast<uint8_t>(2 * i + 1);
+  }
+  return o;
+}
+constexpr BlockOrder kEvenOdd = make_even_odd();
+
 template <typename T, typename ToFloat>
-void deinterleave(const T* src, float* dst, int64_t nblocks, ToFloat to_float) {
+void reorder(const T* src, float* dst, int64_t nblocks, const uint8_t* order, ToFloat to_float) {
   for (int64_t b = 0; b < nblocks; ++b, src += kBlock, dst += kBlock) {
-    for (int64_t i = 0; i < kBlock / 2; ++i) {
-      dst[i] = to_float(src[2 * i]);
-      dst[kBlock / 2 + i] = to_float(src[2 * i + 1]);
-    }
+    for (int64_t i = 0; i < kBlock; ++i) dst[i] = to_float(src[order[i]]);
   }
 }
 
-at::Tensor reorder_x(const at::Tensor& x) {
+// x [m, k] (fp32 or bf16) -> fp32 [m, k], each 32-block in the kernel's x order.
+at::Tensor reorder_x(const at::Tensor& x, const uint8_t* order) {
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
   const int64_t nblocks = x.numel() / kBlock;
+  if (order == nullptr) order = kEvenOdd.at;
   if (x.scalar_type() == at::kBFloat16) {
     const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    deinterleave(src, out.data_ptr<float>(), nblocks,
-                 [](uint16_t v) { return bits_to_f32(static_cast<uint32_t>(v) << 16); });
+    reorder(src, out.data_ptr<float>(), nblocks, order,
+            [](uint16_t v) { return bits_to_f32(static_cast<uint32_t>(v) << 16); });
   } else {
-    deinterleave(x.data_ptr<float>(), out.data_ptr<float>(), nblocks, [](float v) { return v; });
+    reorder(x.data_ptr<float>(), out.data_ptr<float>(), nblocks, order, [](float v) { return v; });
   }
   return out;
 }
@@ -166,15 +201,15 @@ void run_columns(void (*kernel)(const LinearArgs&, int64_t, int64_t), const Line
   });
 }
 
-// y [m, n] = x [m, k] @ W.T (+ bias), in x's dtype. bf16 x runs the bf16 kernel when the CPU
-// has one; otherwise x is widened to fp32 and the fp32 result rounded back.
+// y [m, n] = x [m, k] @ W.T (+ bias), in x's dtype. bf16 x runs the bf16 kernel when the path
+// has one (avx512_bf16); otherwise x is widened to fp32 and the fp32 result rounded back.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& scales,
                   const std::optional<at::Tensor>& bias, int64_t path) {
   check_linear(x, blocks, scales, bias);
   const KernelTable& t = table_for(path);
   const bool bf16_kernel = x.scalar_type() == at::kBFloat16 && t.linear_bf16 != nullptr;
   const int64_t m = x.size(0), n = blocks.size(0);
-  at::Tensor xr;  // fp32 kernel: x reordered to fp32; bf16 kernel: x in pair layout
+  at::Tensor xr;  // bf16 kernel: x in pair layout; fp32 kernel: x as fp32 in the kernel's order
   LinearArgs args{};
   if (bf16_kernel) {
     const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -183,7 +218,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tenso
     args.x_bf16 = xb;
     args.x_pairs = reinterpret_cast<const uint16_t*>(xr.data_ptr<at::BFloat16>());
   } else {
-    xr = reorder_x(x);
+    xr = reorder_x(x, t.x_order);
     args.x = xr.data_ptr<float>();
   }
   at::Tensor y = at::empty({m, n}, x.options().dtype(bf16_kernel ? at::kBFloat16 : at::kFloat));

@@ -1,6 +1,6 @@
-// Portable scalar MXFP4 kernels: the fallback path, and the semantics the AVX-512 path must match
-// bit for bit (quantize, dequantize). Compiled with the default target flags only, so this TU
-// runs on any x86-64 (or other) CPU.
+// Portable scalar MXFP4 kernels: the fallback path, and the semantics the AVX2 and AVX-512 paths
+// must match bit for bit (quantize, dequantize). Compiled with the default target flags only, so
+// this TU runs on any x86-64 (or other) CPU.
 #include <algorithm>
 #include <vector>
 
@@ -129,7 +129,7 @@ void linear_f32_scalar(const LinearArgs& a, int64_t n0, int64_t n1) {
 
 const KernelTable kScalarTable = {
     quantize_scalar, dequantize_f32_scalar, dequantize_bf16_scalar, linear_f32_scalar, nullptr,
-    nullptr,
+    nullptr, nullptr,
 };
 
 }  // namespace
