@@ -171,9 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()[0]
     print(f"{args.model}, {args.dtype}, {args.threads} threads{quant}, best of {args.rounds}, "
           f"load average {load_before:.2f} before / {load_after:.2f} after")
+    ran = ", ".join(f"{lib} {backend} ({kernels[lib]})" if backend else f"{lib} unused"
+                    for lib, backend in kernels["backends"].items())
     print(f"kernel tier: cpu {kernels['cpu_tier']}, cap {kernels['max_tier']} (requested "
-          f"{kernels['requested']}); ran dense {kernels['backends']['dense']} "
-          f"({kernels['dense']}), mxfp4 {kernels['backends']['mxfp4']} ({kernels['mxfp4']})")
+          f"{kernels['requested']}); ran {ran}")
     print(f"{'metric':<28}{'ours':>10}{'HF':>10}{'ratio':>8}")
     rows = [("decode tok/s (1 stream)", "decode", False), ("aggregate tok/s (16 conc.)", "agg16", False),
             ("TTFT 200-token prompt (ms)", "ttft200", True), ("peak RSS (MiB)", "rss", True)]

@@ -155,3 +155,16 @@ def test_doctor_shows_each_library_active_tier(capsys, monkeypatch, requested):
 def _tier_line(out: str) -> str:
     (line,) = [x for x in out.splitlines() if x.startswith("kernel tier")]
     return line
+
+
+def test_cpu_tier_agrees_with_the_kernel_library_own_detection():
+    """/proc/cpuinfo (shared.kernel_tiers) against __builtin_cpu_supports (kernels.dense)."""
+    from kernels import dense
+
+    info = dense.build_info()
+    assert info.state == "ready", info.error
+    detected = Tier.parse(info.cpu_tier)  # dense's fastest tier: reference below avx2
+    if detected >= Tier.AVX2:
+        assert cpu_tier() is detected
+    else:
+        assert cpu_tier() < Tier.AVX2
