@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/engine.py [--dtype bfloat16|float32] [--threads 2]
                                           [--quantization mxfp4] [--model NAME_OR_DIR]
+                                          [--kernel-tier auto|avx2|...] [--json OUT.json]
 
 Each side runs in its own subprocess (so peak RSS is its own) and measures:
   decode   single-stream decode tok/s: (N-1) tokens over the time from first to last token
@@ -9,7 +10,8 @@ Each side runs in its own subprocess (so peak RSS is its own) and measures:
            HF runs them as one padded batch through `generate`
   ttft200  time to first token of a 200-token prompt on an idle engine (median of 3)
 The parent prints both sides and the ratios (ours / HF; for TTFT, HF / ours, so > 1 is
-better for us everywhere).
+better for us everywhere), and which kernel tier our side ran (--kernel-tier caps it, default
+$PDMESH_KERNEL_TIER, else auto); --json also writes all of it to a file.
 """
 
 from __future__ import annotations
@@ -24,8 +26,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+ROOT = Path(__file__).resolve().parent.parent
 VOCAB_LOW, VOCAB_HIGH = 100, 40000  # plain-text token ids of SmolLM2's vocabulary
+
+
+METRICS = ("decode", "agg16", "ttft200", "rss")
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -38,15 +45,18 @@ def peak_rss_mib() -> float:
 
 
 # ---- our engine --------------------------------------------------------------------------
-def run_ours(args: argparse.Namespace) -> dict[str, float]:
-    from shared.config import EngineConfig
+def run_ours(args: argparse.Namespace) -> dict[str, Any]:
+    from shared.config import EngineConfig, kernel_tier_from_env
     from shared.engine.engine import LLMEngine
     from shared.engine.sampling_params import SamplingParams
+    from shared.kernel_tiers import kernel_tiers
 
     engine = LLMEngine.from_config(EngineConfig(
         model=args.model, dtype=args.dtype, num_threads=args.threads,
-        quantization=args.quantization, enable_prefix_caching=False))
+        quantization=args.quantization, enable_prefix_caching=False,
+        kernel_tier=args.kernel_tier or kernel_tier_from_env()))
     engine.warmup()
+    kernels = {**kernel_tiers().to_dict(), "requested": engine.config.kernel_tier}
 
     def timed(batch: list[list[int]], max_tokens: int) -> tuple[float, list[float]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -70,7 +80,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, float]:
         _, stamps = timed(prompts(1, 200, 10 + seed), 1)
         ttfts.append(stamps[1] - stamps[0])
     return {"decode": decode, "agg16": agg, "ttft200": statistics.median(ttfts),
-            "rss": peak_rss_mib()}
+            "rss": peak_rss_mib(), "kernels": kernels}
 
 
 # ---- HF transformers -------------------------------------------------------------------------
@@ -103,11 +113,16 @@ def run_hf(args: argparse.Namespace) -> dict[str, float]:
 
 # ---- driver ------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from kernels.tier import TIER_CHOICES
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quantization", default=None, help="passed to EngineConfig (ours only)")
+    p.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
+                   help="cap on our kernel tier (default: $PDMESH_KERNEL_TIER, else auto)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--agg-tokens", type=int, default=32)
     p.add_argument("--agg-prompt-len", type=int, default=32)
@@ -124,23 +139,24 @@ def child(args: argparse.Namespace, side: str) -> dict[str, float]:
            "--agg-tokens", str(args.agg_tokens), "--agg-prompt-len", str(args.agg_prompt_len)]
     if args.quantization:
         cmd += ["--quantization", args.quantization]
-    root = Path(__file__).resolve().parent.parent
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=root, check=False)
+    if args.kernel_tier:
+        cmd += ["--kernel-tier", args.kernel_tier]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
     if out.returncode != 0:
         raise SystemExit(f"{side} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def best(results: list[dict[str, float]]) -> dict[str, float]:
+def best(results: list[dict[str, Any]]) -> dict[str, float]:
     """Per metric, the best round: highest throughput, lowest TTFT and RSS."""
     return {k: (max if k in ("decode", "agg16") else min)(r[k] for r in results)
-            for k in results[0]}
+            for k in METRICS}
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(ROOT))  # the repository's packages, for both sides' imports
     args = parse_args(argv)
     if args.side:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         result = run_ours(args) if args.side == "ours" else run_hf(args)
         print(json.dumps(result))
         return 0
@@ -150,9 +166,15 @@ def main(argv: list[str] | None = None) -> int:
         for side in runs:
             runs[side].append(child(args, side))
     ours, hf = best(runs["ours"]), best(runs["hf"])
+    kernels = runs["ours"][-1]["kernels"]
     quant = f", quantization={args.quantization}" if args.quantization else ""
+    load_after = os.getloadavg()[0]
     print(f"{args.model}, {args.dtype}, {args.threads} threads{quant}, best of {args.rounds}, "
-          f"load average {load_before:.2f} before / {os.getloadavg()[0]:.2f} after")
+          f"load average {load_before:.2f} before / {load_after:.2f} after")
+    ran = ", ".join(f"{lib} {backend} ({kernels[lib]})" if backend else f"{lib} unused"
+                    for lib, backend in kernels["backends"].items())
+    print(f"kernel tier: cpu {kernels['cpu_tier']}, cap {kernels['max_tier']} (requested "
+          f"{kernels['requested']}); ran {ran}")
     print(f"{'metric':<28}{'ours':>10}{'HF':>10}{'ratio':>8}")
     rows = [("decode tok/s (1 stream)", "decode", False), ("aggregate tok/s (16 conc.)", "agg16", False),
             ("TTFT 200-token prompt (ms)", "ttft200", True), ("peak RSS (MiB)", "rss", True)]
@@ -160,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
         scale = 1000 if key == "ttft200" else 1
         ratio = hf[key] / ours[key] if lower_better else ours[key] / hf[key]
         print(f"{label:<28}{ours[key] * scale:>10.1f}{hf[key] * scale:>10.1f}{ratio:>7.2f}x")
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "model": args.model, "dtype": args.dtype, "threads": args.threads,
+            "quantization": args.quantization, "rounds": args.rounds, "kernels": kernels,
+            "load_average": [load_before, load_after], "ours": ours, "hf": hf}, indent=2) + "\n")
     return 0
 
 

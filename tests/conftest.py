@@ -4,7 +4,8 @@ broken-on-purpose ones: a padded vocabulary that emits ids the tokenizer cannot 
 model whose weights are all NaN.
 
 Engines in tests run on 1 thread (fast and stable on a busy 2-core box); EngineConfig's
-num_threads sets torch's process-wide count, so each test puts it back.
+num_threads sets torch's process-wide count, so each test puts it back, and likewise the
+kernel-tier cap.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels.tier import set_max_tier
+from shared.config import kernel_tier_from_env
 from shared.model.make_model import VOCAB_SIZE, ModelSpec, write_checkpoint
 from shared.model.registry import resolve_model
 
@@ -25,6 +28,15 @@ def _restore_torch_threads() -> Iterator[None]:
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _restore_kernel_tier() -> Iterator[None]:
+    """Building an engine sets the process-wide kernel-tier cap (EngineConfig.kernel_tier);
+    each test starts from the session's own: PDMESH_KERNEL_TIER, else auto. Running the suite
+    with PDMESH_KERNEL_TIER=reference (or avx2...) thus caps every default kernel lookup too."""
+    set_max_tier(kernel_tier_from_env())
+    yield
 
 
 @pytest.fixture(scope="session")

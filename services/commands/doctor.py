@@ -9,12 +9,20 @@ HELP = "Report Python/torch builds, accelerators, kernels and the embedded model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kernels.tier import TIER_CHOICES
+
     parser.add_argument("--skip-components", action="store_true",
                         help="skip the kernels build and model checks (fast)")
+    parser.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
+                        help="report as a worker with this cap would run (default: "
+                             "$PDMESH_KERNEL_TIER, else auto)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from kernels.tier import set_max_tier
     from services.doctor import OverrideRefused, advise, component_status, gather_facts
+    from shared.config import auto_dtype, kernel_tier_from_env
+    from shared.kernel_tiers import kernel_tiers
 
     facts = gather_facts()
     print(f"python       {facts.python} ({facts.system}/{facts.machine})")
@@ -32,6 +40,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"torch fit    {'ok' if advice.ok else 'MISMATCH'}: {advice.reason}")
     for cmd in advice.commands:
         print(f"  fix: {cmd}")
+    try:
+        requested = args.kernel_tier or kernel_tier_from_env(os.environ)
+    except ValueError as exc:
+        print(f"kernel tier  REFUSED: {exc}")
+        return 2
+    set_max_tier(requested)  # as an engine would, before anything resolves a kernel path
+    tiers = kernel_tiers(libraries=not args.skip_components, build=True)
+    print(f"kernel tier  {tiers} (requested: {requested})")
+    print(f"dtype auto   {auto_dtype(requested)} (what serve, up and generate default to here)")
     if not args.skip_components:
         for name, state in component_status():
             print(f"{name:<12} {state}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.config import DEFAULT_MODEL
+from kernels.tier import TIER_CHOICES
+from shared.config import DEFAULT_MODEL, DTYPE_CHOICES
 
 HELP = "Generate text for one prompt (--prompt) or one chat message (--chat) offline."
 
@@ -20,16 +21,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="auto: bfloat16 where a native kernel tier runs, else float32")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--quantization", choices=("mxfp4",), default=None)
+    parser.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
+                        help="highest native kernel tier (default: $PDMESH_KERNEL_TIER, else auto)")
     parser.add_argument("--stats", action="store_true", help="print token counts and speed")
 
 
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from shared.config import EngineConfig
+    from shared.config import EngineConfig, kernel_tier_from_env
     from shared.engine.engine import LLMEngine
     from shared.engine.sampling_params import SamplingParams
 
@@ -37,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         config = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
-                              quantization=args.quantization)
+                              quantization=args.quantization,
+                              kernel_tier=args.kernel_tier or kernel_tier_from_env())
         engine = LLMEngine.from_config(config)
         tok = engine.tokenizer
         if args.chat is not None:

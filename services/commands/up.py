@@ -16,6 +16,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"  # shared.config.DEFAULT_MODEL, without 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kernels.tier import TIER_CHOICES  # light: no torch
+
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
     parser.add_argument("--decode", type=int, default=1, metavar="N", help="decode workers")
@@ -41,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "up; doubled on each restart in a row")
     parser.add_argument("--restart-max-delay", type=float, default=30.0,
                         help="cap of the restart backoff, in seconds")
+    parser.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
+                        help="every worker's --kernel-tier (default: $PDMESH_KERNEL_TIER, which "
+                             "the workers inherit, else auto)")
 
 
 def _free_port(host: str, start: int, taken: set[int]) -> int:
@@ -64,6 +69,8 @@ def worker_flags(role: str, args: argparse.Namespace, port: int, kv_port: int,
              "--threads", str(threads), "--log-level", args.worker_log_level]
     if role != "mixed":
         flags += ["--transfer-mode", args.transfer_mode, "--kv-port", str(kv_port)]
+    if getattr(args, "kernel_tier", None):
+        flags += ["--kernel-tier", args.kernel_tier]
     return flags
 
 
@@ -143,8 +150,10 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     from services.router.supervisor import RestartPolicy
+    from shared.config import kernel_tier_from_env
 
     try:
+        kernel_tier_from_env(os.environ)  # the workers inherit it: refuse a bad one up front
         specs, url = plan(args, os.cpu_count() or 1)
         policy = RestartPolicy(initial_s=args.restart_delay, max_s=args.restart_max_delay)
     except (ValueError, RuntimeError) as exc:

@@ -65,6 +65,7 @@ class WorkerMetadata:
     kv_usage: float = 0.0  # fraction 0..1
     running: int = 0
     waiting: int = 0
+    kernels: dict[str, Any] = field(default_factory=dict)  # relayed as reported, never routed on
 
     @staticmethod
     def parse(doc: Mapping[str, Any]) -> WorkerMetadata:
@@ -114,6 +115,7 @@ class WorkerMetadata:
             kv_capacity_blocks=capacity, kv_usage=float(usage or 0.0),
             running=int(_get(doc, "load.num_running", "load.running", default=0)),
             waiting=int(_get(doc, "load.num_waiting", "load.waiting", default=0)),
+            kernels=dict(_get(doc, "kernels", default={})),
         )
 
 
@@ -168,6 +170,7 @@ class Worker:
             "compat_hash": md.compat_hash if md else None,
             "compat_factors": md.compat_factors if md else {},
             "transfer_mode": md.transfer_mode if md else None,
+            "kernels": md.kernels if md else {},
             "kv_endpoint": {"host": md.kv_host, "port": md.kv_port} if md else None,
             "health": self.health.value, "reason": self.reason,
             "circuit_breaker": self.breaker.state.value,

@@ -12,10 +12,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kernels.tier import TIER_CHOICES
 from services.common.units import parse_size
 from services.kv_transfer.config import KVTransferConfig
 from services.kv_transfer.config import add_arguments as add_kv_arguments
-from shared.config import DEFAULT_MODEL, EngineConfig
+from shared.config import (
+    DEFAULT_MODEL,
+    DTYPE_CHOICES,
+    KERNEL_TIER_ENV,
+    EngineConfig,
+    auto_dtype,
+    kernel_tier_from_env,
+)
 from shared.pipeline import config as pipeline_config
 from shared.pipeline.config import PipelineConfig
 from shared.protocol.pd import Role
@@ -108,14 +116,21 @@ class WorkerConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str]) -> WorkerConfig:
-        """Flags win; `PDMESH_API_KEY` (comma separated) is used only when no --api-key is given.
-        `PDMESH_KV_SECRET` is read by KVTransferConfig.from_args from the same mapping."""
+        """Flags win; `PDMESH_API_KEY` (comma separated) is used only when no --api-key is given,
+        `PDMESH_KERNEL_TIER` only when no --kernel-tier is. `PDMESH_KV_SECRET` is read by
+        KVTransferConfig.from_args from the same mapping."""
         keys = tuple(args.api_key or ())
         if not keys:
             keys = tuple(k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip())
+        pipeline = pipeline_config.from_args(args)
+        kernel_tier = (args.kernel_tier if args.kernel_tier is not None
+                       else kernel_tier_from_env(environ))
+        # auto: the faster dtype on this CPU; pipeline stages run no native kernels (fp32).
+        dtype = (auto_dtype(kernel_tier, native_decode=not pipeline.enabled)
+                 if args.dtype == "auto" else args.dtype)
         engine = EngineConfig(
             model=args.model,
-            dtype=args.dtype,
+            dtype=dtype,
             max_model_len=args.max_model_len,
             block_size=args.block_size,
             kv_cache_memory_bytes=parse_size(args.kv_cache_memory),
@@ -127,6 +142,7 @@ class WorkerConfig:
             quantization=args.quantization,
             quantize_lm_head=args.quantize_lm_head,
             seed=args.seed,
+            kernel_tier=kernel_tier,
         )
         role = Role(args.role)
         kv = None if role is Role.MIXED else KVTransferConfig.from_args(args, role.value, environ)
@@ -143,15 +159,16 @@ class WorkerConfig:
             drain_grace_seconds=args.drain_grace_seconds,
             engine_failure_drain_seconds=args.engine_failure_drain_seconds,
             served_model_names=tuple(args.served_model_name or ()),
-            pipeline=pipeline_config.from_args(args),
+            pipeline=pipeline,
         )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pdmesh serve` / `python -m services.worker`."""
     pipeline_config.add_arguments(parser)
-    d = EngineConfig()
-    w = WorkerConfig()
+    # kernel_tier given: the defaults shown in --help must not depend on (or fail with) the env.
+    d = EngineConfig(kernel_tier="auto")
+    w = WorkerConfig(engine=d)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model name, HF directory or GGUF file")
     parser.add_argument("--role", default="mixed", choices=[r.value for r in Role],
                         help="mixed (whole requests), prefill or decode (P/D legs + KV service)")
@@ -170,7 +187,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after an engine failure: seconds to answer in-flight requests "
                              "before exiting non-zero")
     eng = parser.add_argument_group("engine")
-    eng.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
+    eng.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                     help="auto (default): bfloat16 where a native kernel tier (avx2 and up) "
+                          "runs the decode, else float32; see `pdmesh doctor`")
     eng.add_argument("--max-model-len", type=int, default=None)
     eng.add_argument("--block-size", type=int, default=d.block_size)
     eng.add_argument("--kv-cache-memory", default="256MiB", help="KV-cache budget, e.g. 256MiB")
@@ -184,6 +203,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="with --quantization: the (tied) LM head too (faster decode, higher "
                           "perplexity; see kernels/README.md)")
     eng.add_argument("--seed", type=int, default=d.seed)
+    eng.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
+                     help=f"highest native kernel tier to use (default: ${KERNEL_TIER_ENV}, "
+                          "else auto: the fastest this CPU runs); see `pdmesh doctor`")
     add_kv_arguments(parser)
     parser.add_argument("--kv-load-failure-policy", default=KVLoadFailurePolicy.FAIL.value,
                         choices=[p.value for p in KVLoadFailurePolicy],

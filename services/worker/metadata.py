@@ -3,7 +3,9 @@
 Routers use it to register, pair and place workers. A prefill or decode worker adds its KV
 side (`KVLink.metadata`): compat_hash, compat_factors, transfer_mode, the KV address; a mixed
 worker reports those as null (it never exchanges KV). `engine_id` is also the KV service's
-engine id. `kv_cache.num_held_blocks` counts blocks the engine keeps for a peer.
+engine id. `kv_cache.num_held_blocks` counts blocks the engine keeps for a peer. `kernels` is
+the kernel ladder as this process runs it (shared.kernel_tiers): the CPU's tier, the cap, each
+library's active tier and backend, and the configured `kernel_tier` ("requested").
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient
+from shared.kernel_tiers import kernel_tiers
 
 if TYPE_CHECKING:
     from services.worker.kv_link import KVLink
@@ -49,5 +52,6 @@ def build_metadata(config: WorkerConfig, engine: EngineClient, in_flight: int,
             "admitted_sequences": in_flight,
         },
         "prefix_caching": config.engine.enable_prefix_caching,
+        "kernels": {**kernel_tiers().to_dict(), "requested": config.engine.kernel_tier},
         **kv,
     }

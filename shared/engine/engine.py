@@ -89,6 +89,7 @@ class LLMEngine:
         from shared.model.registry import resolve_model
 
         model_dir = resolve_model(config.model, config.resolved_cache_dir)
+        apply_kernel_tier(config)  # before load_model: MXFP4 quantisation resolves kernels too
         model, model_config = load_model(model_dir, config.dtype,
                                          quantization=_quant_config(config))
         _accelerate(model, config)
@@ -293,6 +294,18 @@ class LLMEngine:
             self.step()
         self.kv.reset_prefix_cache()
         self.scheduler.num_preemptions = 0
+
+
+def apply_kernel_tier(config: EngineConfig) -> None:
+    """Cap automatic kernel dispatch at config.kernel_tier (process-wide, kernels/tier.py).
+
+    Called once per load, before any kernel path is resolved; the libraries drop the paths they
+    resolved under an earlier cap, so the last engine built in a process sets the tier.
+    """
+    from kernels.tier import set_max_tier
+
+    cap = set_max_tier(config.kernel_tier)
+    log.info("kernel tier: %s (cap %s)", config.kernel_tier, cap.label)
 
 
 def _quant_config(config: EngineConfig) -> QuantConfig | None:

@@ -26,7 +26,7 @@ import torch
 
 from shared.config import EngineConfig
 from shared.engine.block_manager import KVCacheManager
-from shared.engine.engine import LLMEngine
+from shared.engine.engine import LLMEngine, apply_kernel_tier
 from shared.engine.outputs import RequestOutput, TokenLogprob
 from shared.engine.request import Request, RequestStatus
 from shared.engine.runner import KVGeometry
@@ -84,6 +84,7 @@ class PipelineEngine(LLMEngine):
         model_dir = resolve_model(config.model, config.resolved_cache_dir)
         ckpt = open_checkpoint(model_dir)
         ranges = pipeline.layer_ranges(ckpt.config.num_layers)
+        apply_kernel_tier(config)  # rank 0; the stages apply the same tier (StageSpec)
         threads = config.num_threads or max(1, (os.cpu_count() or 1) // pipeline.pp_size)
         torch.set_num_threads(threads)
         self.pipeline, self.hooks = pipeline, hooks or PipelineHooks()
@@ -93,7 +94,8 @@ class PipelineEngine(LLMEngine):
         kv_cache = allocate_shared_cache(config, ckpt.config)
         self._group = StageGroup(pipeline, model_dir=model_dir, dtype=config.dtype,
                                  layer_ranges=ranges, block_size=config.block_size,
-                                 seed=config.seed, num_threads=threads, kv_cache=kv_cache,
+                                 seed=config.seed, num_threads=threads,
+                                 kernel_tier=config.kernel_tier, kv_cache=kv_cache,
                                  counters=self.counters, token_gate=self.hooks.token_gate,
                                  step_gate=self.hooks.step_gate)
         try:

@@ -37,6 +37,7 @@ class StageGroup:
     def __init__(self, pipeline: PipelineConfig, *, model_dir: Path, dtype: str,
                  layer_ranges: tuple[tuple[int, int], ...], block_size: int, seed: int,
                  num_threads: int, kv_cache: torch.Tensor, counters: torch.Tensor,
+                 kernel_tier: str = "auto",
                  token_gate: Any = None, step_gate: Any = None) -> None:
         self.pipeline = pipeline
         ctx = mp.get_context("spawn")
@@ -47,7 +48,7 @@ class StageGroup:
         self.joined = False
         for rank in range(1, pipeline.pp_size):
             spec = StageSpec(rank, pipeline, self.store.port, Path(model_dir), dtype,
-                             layer_ranges[rank], block_size, seed, num_threads)
+                             layer_ranges[rank], block_size, seed, num_threads, kernel_tier)
             gates = (token_gate, step_gate) if spec.is_last else (None, None)
             proc = ctx.Process(target=stage_main, name=f"pdmesh-stage-{rank}", daemon=True,
                                args=(spec, kv_cache, counters, self._status, *gates))

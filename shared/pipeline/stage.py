@@ -85,6 +85,7 @@ class StageSpec:
     block_size: int
     seed: int
     num_threads: int
+    kernel_tier: str = "auto"  # EngineConfig.kernel_tier: the cap is per process
 
     @property
     def world_size(self) -> int:
@@ -141,9 +142,11 @@ class StageWorker:
 def stage_main(spec: StageSpec, kv_cache: torch.Tensor, counters: torch.Tensor,
                status: Any, token_gate: Any = None, step_gate: Any = None) -> None:
     """Entry point of stage process `spec.rank` (spawned by StageGroup)."""
+    from kernels.tier import set_max_tier
     from shared.model.loader import load_model
 
     torch.set_num_threads(spec.num_threads)
+    set_max_tier(spec.kernel_tier)
     pipe = spec.pipeline
     try:
         model, model_config = load_model(spec.model_dir, spec.dtype, spec.layer_range)

@@ -32,8 +32,11 @@ from pd_harness import free_port, wait_ready
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"
 ADMIN_TOKEN = "admin-secret"
+# fp32, not the bf16 that `--dtype auto` picks on a CPU with a native tier: these tests compare
+# greedy text across workers and prefix-cache states token for token, and in bf16 a cached
+# prefix moves prompt rows from torch's GEMM to the GEMV, whose rounding can flip a near-tie.
 WORKER_FLAGS = ("--threads", "1", "--kv-cache-memory", "32MiB", "--log-level", "WARNING",
-                "--drain-grace-seconds", "1")
+                "--drain-grace-seconds", "1", "--dtype", "float32")
 # Short health rounds so failures and recoveries are seen within a fraction of a second.
 ROUTER_FLAGS = ("--health-interval", "0.2", "--health-timeout", "2", "--admin-token",
                 ADMIN_TOKEN, "--log-level", "WARNING", "--drain-grace-seconds", "1")

@@ -135,6 +135,7 @@ async def test_metadata_document_describes_workers_and_groups(fleet, routers):
         assert w["compat_factors"] == md["compat_factors"]
         assert w["transfer_mode"] == md["transfer_mode"] == "pull"
         assert w["kv_endpoint"] == md["kv_endpoint"]
+        assert w["kernels"] == md["kernels"] and md["kernels"]["cpu_tier"]
         assert (w["health"], w["circuit_breaker"], w["reason"]) == ("healthy", "closed", None)
         assert set(w["load"]) >= {"running", "waiting", "kv_usage"}
         assert 0.0 <= w["load"]["kv_usage"] <= 1.0

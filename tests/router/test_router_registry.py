@@ -44,6 +44,17 @@ def test_unhealthy_members_make_a_group_unservable_with_a_reason():
     assert not group.servable and "no healthy decode worker" in group.reason
 
 
+def test_worker_kernels_are_relayed_as_reported():
+    kernels = {"cpu_tier": "avx2", "max_tier": "avx2", "dense": "avx2", "mxfp4": "portable"}
+    reg = WorkerRegistry(BreakerConfig())
+    worker = reg.add("http://w:1", Role.MIXED)
+    assert worker.describe()["kernels"] == {}  # no metadata yet
+    worker.mark_healthy(WorkerMetadata.parse({"role": "mixed", "model": "m", "kernels": kernels}))
+    assert worker.describe()["kernels"] == kernels
+    # a worker of an older build, without the field, is still a worker
+    assert WorkerMetadata.parse({"role": "mixed", "model": "m"}).kernels == {}
+
+
 def test_mixed_worker_without_hash_gets_its_own_group():
     md = WorkerMetadata.parse({"role": "mixed", "model": {"id": "m", "fingerprint": "f"}})
     assert md.compat_hash.startswith("mixed-")

@@ -6,9 +6,11 @@ import argparse
 
 import pytest
 
+from kernels.tier import TIER_CHOICES, Tier
 from services.common.middleware import ApiKeyAuth, api_prefix_predicate
 from services.common.units import parse_size
 from services.worker.config import KVLoadFailurePolicy, WorkerConfig, add_arguments
+from shared.config import EngineConfig, auto_dtype
 from shared.protocol.pd import Role
 
 
@@ -60,6 +62,84 @@ def test_engine_failure_drain_flag() -> None:
 def test_api_keys_flags_win_over_env() -> None:
     assert parse([], {"PDMESH_API_KEY": "x, y,"}).api_keys == ("x", "y")
     assert parse(["--api-key", "a", "--api-key", "b"], {"PDMESH_API_KEY": "x"}).api_keys == ("a", "b")
+
+
+def test_kernel_tier_flag_wins_over_env() -> None:
+    assert parse([]).engine.kernel_tier == "auto"
+    assert parse([], {"PDMESH_KERNEL_TIER": "avx2"}).engine.kernel_tier == "avx2"
+    assert parse([], {"PDMESH_KERNEL_TIER": " AVX512 "}).engine.kernel_tier == "avx512"
+    assert parse([], {"PDMESH_KERNEL_TIER": ""}).engine.kernel_tier == "auto"
+    for tier in TIER_CHOICES:
+        got = parse(["--kernel-tier", tier], {"PDMESH_KERNEL_TIER": "reference"}).engine
+        assert got.kernel_tier == tier
+
+
+def test_invalid_kernel_tier_is_a_clear_error_naming_the_choices(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    choices = ", ".join(TIER_CHOICES[1:])
+    with pytest.raises(ValueError, match=f"PDMESH_KERNEL_TIER='avx9'.*expected auto or one of "
+                                         f"{choices}"):
+        parse([], {"PDMESH_KERNEL_TIER": "avx9"})
+    with pytest.raises(SystemExit):
+        parse(["--kernel-tier", "avx9"])
+    err = capsys.readouterr().err
+    assert "--kernel-tier: invalid choice: 'avx9'" in err
+    assert all(tier in err for tier in TIER_CHOICES)
+    with pytest.raises(ValueError, match=f"unknown kernel tier 'fast'; expected auto or one of "
+                                         f"{choices}"):
+        EngineConfig(kernel_tier="fast")
+
+
+def test_engine_config_kernel_tier_defaults_to_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDMESH_KERNEL_TIER", "Portable")
+    assert EngineConfig().kernel_tier == "portable"  # LLM(), benchmarks: every EngineConfig
+    assert EngineConfig(kernel_tier="avx2").kernel_tier == "avx2"
+    monkeypatch.delenv("PDMESH_KERNEL_TIER")
+    assert EngineConfig().kernel_tier == "auto"
+    monkeypatch.setenv("PDMESH_KERNEL_TIER", "bogus")
+    with pytest.raises(ValueError, match="PDMESH_KERNEL_TIER='bogus'"):
+        EngineConfig()
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)  # --help still works: its defaults do not read the env
+
+
+def test_serve_refuses_a_bad_env_tier_without_a_traceback(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import main
+
+    monkeypatch.setenv("PDMESH_KERNEL_TIER", "avx9")
+    assert main(["serve", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "pdmesh serve: PDMESH_KERNEL_TIER='avx9': unknown kernel tier" in err
+    assert "Traceback" not in err
+
+
+# The dtype `auto` stands for, per CPU kind (cpu tier, cap): bf16 where a native tier decodes.
+@pytest.mark.parametrize("cpu, cap, native, dtype", [
+    (Tier.AVX512_BF16, "auto", True, "bfloat16"),  # AMD Zen 4/5
+    (Tier.AVX512, "auto", True, "bfloat16"),  # Intel AVX-512 without bf16 dot products
+    (Tier.AVX2, "auto", True, "bfloat16"),  # AMD Zen 2/3
+    (Tier.AVX512_BF16, "avx2", True, "bfloat16"),
+    (Tier.PORTABLE, "auto", True, "float32"),  # no SIMD tier: plain torch decodes
+    (Tier.AVX512_BF16, "portable", True, "float32"),
+    (Tier.AVX2, "reference", True, "float32"),
+    (Tier.AVX512_BF16, "auto", False, "float32"),  # a pipeline stage: plain torch layers
+])
+def test_auto_dtype_per_cpu_kind(cpu: Tier, cap: str, native: bool, dtype: str) -> None:
+    assert auto_dtype(cap, native_decode=native, cpu=cpu) == dtype
+
+
+def test_dtype_defaults_to_auto_resolved_for_this_cpu() -> None:
+    assert parse([]).engine.dtype == auto_dtype("auto")
+    assert parse(["--kernel-tier", "reference"]).engine.dtype == "float32"
+    assert parse([], {"PDMESH_KERNEL_TIER": "reference"}).engine.dtype == "float32"
+    assert parse(["--pp-size", "2"]).engine.dtype == "float32"
+    for dtype in ("float32", "bfloat16"):
+        assert parse(["--dtype", dtype, "--kernel-tier", "reference"]).engine.dtype == dtype
+    assert EngineConfig(dtype="auto", kernel_tier="reference").dtype == "float32"
+    assert EngineConfig(dtype="auto", kernel_tier="avx2").dtype == auto_dtype("avx2")
+    with pytest.raises(ValueError, match="dtype must be auto, float32 or bfloat16"):
+        EngineConfig(dtype="float16")
 
 
 def test_roles_and_kv_flags() -> None:

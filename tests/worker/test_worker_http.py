@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from aiohttp.test_utils import TestClient
 from worker_fakes import BOS, EOS, FakeEngine, FakeTokenizer, fake_completion_text
-from worker_harness import MODEL
+from worker_harness import MODEL, start_client, worker_config
+
+from kernels.tier import max_tier
+from shared.config import EngineConfig
+from shared.kernel_tiers import backend_tier, cpu_tier
 
 HI = [BOS, *b"hi"]
 
@@ -199,6 +203,25 @@ async def test_request_id_echoed_or_generated(client: TestClient) -> None:
     assert stream.headers["X-Request-Id"] == "s-1"
     error = await client.post("/v1/completions", data=b"{", headers={"X-Request-Id": "e-1"})
     assert error.status == 400 and error.headers["X-Request-Id"] == "e-1"
+
+
+async def test_metadata_kernels_name_the_cpu_tier_cap_and_libraries(
+        fake_engine: FakeEngine) -> None:
+    config = worker_config(engine=EngineConfig(model=MODEL, kernel_tier="avx2"))
+    client = await start_client(config, fake_engine)
+    try:
+        kernels = (await (await client.get("/v1/metadata")).json())["kernels"]
+    finally:
+        await client.close()
+    assert kernels["requested"] == "avx2"  # the fake engine applies no cap: the process's own
+    assert (kernels["cpu_tier"], kernels["max_tier"]) == (cpu_tier().label, max_tier().label)
+    for name in ("dense", "mxfp4"):  # None: this test process has not loaded that library
+        backend = kernels["backends"][name]
+        if backend is None:
+            assert kernels[name] is None
+            continue
+        assert kernels[name] == backend_tier(backend).label
+        assert backend_tier(backend) <= min(cpu_tier(), max_tier())
 
 
 async def test_health_metadata(client: TestClient, fake_engine: FakeEngine) -> None:

@@ -14,14 +14,17 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from worker_harness import ThreadedServer
+from worker_harness import ThreadedServer, start_client
 from worker_strategies import bodies
 
+from kernels import dense, mxfp4
+from kernels.tier import Tier
 from services.worker.app import create_app
 from services.worker.config import WorkerConfig
 from shared.config import EngineConfig
 from shared.engine import LLM
 from shared.engine.sampling_params import SamplingParams
+from shared.kernel_tiers import backend_tier, cpu_tier
 
 MAX_LEN = 512
 KV_BYTES = 16 * 1024 * 1024
@@ -160,3 +163,28 @@ def test_fuzz_real_model_never_5xx(server: ThreadedServer, body: dict, chat: boo
     except urllib.error.HTTPError as exc:
         status, text = exc.code, exc.read().decode()
     assert status < 500, text
+
+
+@pytest.mark.parametrize("tier", ["auto", "avx2", "reference"])
+async def test_metadata_reports_the_kernel_tier_the_engine_runs(tiny_dir: Path, tier: str) -> None:
+    """A bf16 worker (dense kernels in use) built with --kernel-tier: /v1/metadata names the
+    CPU's tier, the cap and, per library, what a kernel lookup under that cap resolves to."""
+    engine = EngineConfig(model=str(tiny_dir), dtype="bfloat16", max_model_len=MAX_LEN,
+                          kv_cache_memory_bytes=KV_BYTES, kernel_tier=tier)
+    client = await start_client(WorkerConfig(engine=engine, served_model_names=("tiny",)))
+    try:
+        kernels = (await (await client.get("/v1/metadata")).json())["kernels"]
+    finally:
+        await client.close()
+    cap = Tier.AVX512_BF16 if tier == "auto" else Tier.parse(tier)
+    assert kernels["requested"] == tier and kernels["max_tier"] == cap.label
+    assert kernels["cpu_tier"] == cpu_tier().label
+    assert kernels["backends"]["dense"] is not None  # a bf16 engine loads kernels.dense
+    for name, lib in (("dense", dense), ("mxfp4", mxfp4)):
+        if kernels["backends"][name] is None:  # never loaded in this process (mxfp4, here)
+            assert lib.build_info(build=False).state == "not_built"
+            continue
+        backend = str(lib.kernel_path(None).backend)  # the engine's cap is still in force
+        assert kernels["backends"][name] == backend
+        assert kernels[name] == backend_tier(backend).label
+        assert backend_tier(backend) <= min(cap, cpu_tier())
