@@ -318,7 +318,7 @@ def _quant_config(config: EngineConfig) -> QuantConfig | None:
 
 
 def _accelerate(model: torch.nn.Module, config: EngineConfig) -> None:
-    """Swap bf16 nn.Linear layers for the AVX-512 GEMV (kernels.dense) where it can build, and
+    """Swap bf16 nn.Linear layers for the native GEMV (kernels.dense) where it can build, and
     route the model's forward through the native fused decoder layer / paged attention.
 
     torch's batch-1 bf16 matmul reads weights at ~9 GiB/s here; the kernel streams them near
@@ -331,7 +331,10 @@ def _accelerate(model: torch.nn.Module, config: EngineConfig) -> None:
         return
     from kernels.dense import BuildConfig, accelerate_linears, configure, decoder
 
-    configure(BuildConfig(build_root=config.resolved_cache_dir / "torch_extensions"))
+    # The build root follows the engine's cache dir; a prebuilt library (`pdmesh kernels build`,
+    # PDMESH_KERNELS_DIR: the container image) is taken as the MXFP4 library takes it.
+    configure(BuildConfig(build_root=config.resolved_cache_dir / "torch_extensions",
+                          prebuilt_dir=BuildConfig.from_env().prebuilt_dir))
     swapped = accelerate_linears(model)
     log.info("kernels.dense: %d bf16 linear layers use the fast GEMV path", swapped)
     native = decoder()

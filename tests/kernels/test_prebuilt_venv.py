@@ -189,12 +189,6 @@ print("dense", result.state, "prebuilt" if result.prebuilt else "not-prebuilt", 
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "shared/engine/engine.py `_accelerate` configures kernels.dense with "
-    "BuildConfig(build_root=...) and no prebuilt_dir, so a bf16 engine in the image tries the "
-    "JIT build (no compiler) instead of the prebuilt library; pass "
-    "prebuilt_dir=BuildConfig.from_env().prebuilt_dir (or a config field) there and drop this "
-    "mark"))
 def test_a_bf16_engine_uses_the_prebuilt_dense_library(work: Path, fresh_python: str,
                                                         installed: Path,
                                                         make_checkpoint) -> None:  # noqa: ANN001
