@@ -1,14 +1,11 @@
-"""Session fixtures: both MXFP4 library variants and the dense library are built (or loaded from
-the cache) once per run; the compiled code paths of each are parameters of the tests."""
+"""Session fixtures: both library variants are built (or loaded from the cache) once per run."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 import pytest
-from dense_helpers import DENSE_TIERS, dense_or_skip
 
-import kernels.dense as dense
 from kernels.mxfp4 import Backend, BuildConfig, BuildState, KernelPath, Variant
 from kernels.mxfp4.backend import runnable_backends, unavailable_reason
 from kernels.mxfp4.build import BuildResult, load
@@ -40,9 +37,3 @@ def cpp_path(request: pytest.FixtureRequest, builds: dict[Variant, BuildResult])
         assert reason.startswith("this CPU cannot run"), reason
         pytest.skip(reason)
     return KernelPath(backend, lib)
-
-
-@pytest.fixture(scope="session", params=DENSE_TIERS)
-def dense_kernel(request: pytest.FixtureRequest) -> dense.KernelPath:
-    """One compiled dense tier (dense_helpers.DENSE_TIERS); only a CPU lacking it skips."""
-    return dense_or_skip(request.param)

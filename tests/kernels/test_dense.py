@@ -40,6 +40,12 @@ DTYPES = [torch.float32, torch.bfloat16]
 EPS32 = 2.0**-24
 
 
+@pytest.fixture(scope="module", params=DENSE_TIERS)
+def dense_kernel(request: pytest.FixtureRequest) -> KernelPath:
+    """One compiled dense tier; a failed build fails, only a CPU lacking the tier skips."""
+    return dense_or_skip(request.param)
+
+
 @cache
 def _weight(in_f: int, out_f: int) -> torch.Tensor:
     """Random bf16 W [out_f, in_f] with 1/sqrt(fan_in) scale, shared per shape."""
