@@ -28,8 +28,10 @@ class ApiError(Exception):
     short machine-readable string, `headers` are extra response headers (Retry-After...).
     """
 
-    status: ClassVar[int] = 500
-    error_type: ClassVar[str] = "server_error"
+    # Class defaults that subclasses override; an instance may override them too (an upstream
+    # error mirrors the worker's status), so they are not ClassVars.
+    status: int = 500
+    error_type: str = "server_error"
     default_code: ClassVar[str | None] = None
 
     def __init__(

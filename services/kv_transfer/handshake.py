@@ -20,7 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.kv_transfer.errors import ConflictError
-from shared.protocol.messages import LayerRange, NodeInfo
+from shared.protocol.layout import LayerRange
+from shared.protocol.messages import NodeInfo
 
 
 @dataclass(frozen=True)

@@ -338,7 +338,7 @@ def _call_listener(fn: Callable[..., None], *args: Any) -> None:
         log.exception("engine listener %r failed", fn)
 
 
-def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
     if future.done():
         return
     if exc is not None:

@@ -9,6 +9,7 @@ The P/D hooks (held KV, pre-allocated receiving blocks, prefilled requests, the 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,9 +163,9 @@ class LLMEngine:
             raise ValueError("stream_kv needs hold_kv (the blocks must outlive the request)")
         if stream_kv and self.kv_stream is None:
             raise ValueError("this engine does not report KV progress (stream_kv)")
-        extra = {} if arrival_time is None else {"arrival_time": arrival_time}
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids,
-                      hold_kv=hold_kv, **extra)
+                      hold_kv=hold_kv,
+                      arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         if prefilled is not None:
             self._adopt(req, prefilled)
         if wait_for_remote_kv:
@@ -338,8 +339,9 @@ def _accelerate(model: torch.nn.Module, config: EngineConfig) -> None:
     swapped = accelerate_linears(model)
     log.info("kernels.dense: %d bf16 linear layers use the fast GEMV path", swapped)
     native = decoder()
-    if native is not None and hasattr(model, "use_native"):
-        fused = model.use_native(native)
+    use_native = getattr(model, "use_native", None)  # models without a native path lack it
+    if native is not None and callable(use_native):
+        fused = use_native(native)
         if getattr(model, "native", None) is not None:
             log.info("kernels.dense: native paged attention; %d fused decoder layers", fused)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from shared.config import DEFAULT_MODEL, EngineConfig
 from shared.engine.engine import LLMEngine
@@ -57,15 +57,19 @@ def _normalise_prompts(prompts: str | Sequence[Prompt]) -> list[Prompt]:
     """str | list[str] | list[int] | list[list[int]] -> a list of single prompts."""
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
-    if not prompts:
+    items: list[object] = list(prompts)
+    if not items:
         raise ValueError("no prompts given")
-    if all(isinstance(p, int) for p in prompts):
-        return [prompts]
-    for p in prompts:
-        if not isinstance(p, str) and not (isinstance(p, list) and all(isinstance(t, int) for t in p)):
+    ids = [p for p in items if isinstance(p, int)]
+    if len(ids) == len(items):  # one prompt given as token ids
+        return [ids]
+    out: list[Prompt] = []
+    for p in items:
+        if isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)):
+            out.append(p)
+        else:
             raise TypeError("a prompt is a str or a list of token ids")
-    return prompts
+    return out
 
 
 class LLM:
@@ -132,7 +136,12 @@ class LLM:
              ) -> list[GenerationOutput]:
         """One conversation (a list of messages) or a list of them; the chat template is
         applied with add_generation_prompt=True."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        # The first item tells the two shapes apart: a message is a dict, a conversation is not.
+        convs: list[Sequence[Message]]
+        if messages and isinstance(messages[0], dict):
+            convs = [cast(Sequence[Message], messages)]
+        else:
+            convs = list(cast(Sequence[Sequence[Message]], messages))
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c), add_special_tokens=False)
                    for c in convs]
         results = self.generate(prompts, params)

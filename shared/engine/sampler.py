@@ -74,8 +74,8 @@ class SamplingTensors:
         ban_ids: list[int] = []
         for i, (p, r) in enumerate(zip(params, requests, strict=True)):
             if r.num_output_tokens < p.min_tokens:
-                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
-                ids = [t for t in ids if 0 <= t < vocab_size]
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+                ids = [t for t in stops if 0 <= t < vocab_size]
                 ban_rows += [i] * len(ids)
                 ban_ids += ids
         return SamplingTensors(
@@ -209,11 +209,11 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor,
     chosen = sel.gather(1, tokens[rows][:, None])[:, 0].tolist()
     max_n = max(st.num_logprobs[i] or 0 for i in rows)
     top_v, top_i = sel.topk(max_n, dim=-1) if max_n else (sel[:, :0], sel[:, :0].long())
-    top_v, top_i = top_v.tolist(), top_i.tolist()
+    top_vals, top_ids = top_v.tolist(), top_i.tolist()
     out: list[TokenLogprob | None] = [None] * len(st.num_logprobs)
     tok_list = tokens.tolist()
     for j, i in enumerate(rows):
         n = st.num_logprobs[i] or 0
-        top = dict(zip(top_i[j][:n], top_v[j][:n], strict=True))
+        top = dict(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
         out[i] = TokenLogprob(token_id=tok_list[i], logprob=chosen[j], top=top)
     return out

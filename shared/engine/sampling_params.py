@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class InvalidSamplingParams(ValueError):
@@ -42,7 +43,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one is always added)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    extra: dict = field(default_factory=dict, compare=False)
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

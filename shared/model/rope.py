@@ -228,7 +228,8 @@ class RotaryEmbedding:
         if positions.numel():
             self._ensure(int(positions.max()) + 1)
         cs = self._cos_sin[positions].unsqueeze(1)  # [T, 1, D]
-        return cs.chunk(2, dim=-1)
+        cos, sin = cs.chunk(2, dim=-1)
+        return cos, sin
 
     def table(self, num_positions: int) -> torch.Tensor:
         """The whole table [P >= num_positions, D] (cos | sin halves, model dtype), for native

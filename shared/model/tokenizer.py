@@ -106,8 +106,8 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self._prepend_bos:
-            ids.insert(0, self.bos_token_id)
+        if add_special_tokens and self._prepend_bos and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)  # _prepend_bos implies a bos id; mypy can't see it
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:

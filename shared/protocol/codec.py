@@ -17,9 +17,21 @@ import dataclasses
 import struct
 import types
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    TypeVar,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 import msgpack
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 KV_PROTOCOL_VERSION = 3
 # Changelog of KV_PROTOCOL_VERSION (bump on any wire or semantic change; it is a compat factor):
@@ -42,6 +54,7 @@ MAX_CHUNK_BYTES = 4 * 1024 * 1024  # largest raw payload in one frame or push wr
 MAX_HEADER_BYTES = 1024 * 1024
 
 T = TypeVar("T", bound="Message")
+D = TypeVar("D", bound="DataclassInstance")  # the dataclass from_fields builds
 
 
 class ProtocolError(ValueError):
@@ -59,6 +72,8 @@ class Message:
     """
 
     TAG: ClassVar[str]
+    if TYPE_CHECKING:  # every subclass is a dataclass; lets from_fields accept type[Message]
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def __init_subclass__(cls, tag: str, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -90,7 +105,7 @@ def to_fields(msg: Any) -> Any:
     return msg
 
 
-def from_fields(cls: type[Any], fields: object) -> Any:
+def from_fields(cls: type[D], fields: object) -> D:
     """Build dataclass `cls` from plain data, checking every field against its type hint."""
     if not isinstance(fields, dict):
         raise ProtocolError(f"{cls.__name__}: expected a map, got {type(fields).__name__}")
@@ -156,7 +171,7 @@ def _check(value: object, hint: Any, path: str) -> Any:
             raise ProtocolError(f"{path}: expected a map, got {type(value).__name__}")
         kt, vt = get_args(hint)
         return {_check(k, kt, path): _check(v, vt, f"{path}.{k}") for k, v in value.items()}
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return from_fields(hint, value)
     if isinstance(hint, type):
         return _check_scalar(value, hint, path)
@@ -164,7 +179,8 @@ def _check(value: object, hint: Any, path: str) -> Any:
 
 
 def encode(msg: Message) -> bytes:
-    return msgpack.packb({"t": msg.TAG, "b": to_fields(msg)}, use_bin_type=True)
+    data: bytes = msgpack.packb({"t": msg.TAG, "b": to_fields(msg)}, use_bin_type=True)
+    return data
 
 
 def _unwrap(obj: object) -> tuple[type[Message], object]:

@@ -12,6 +12,7 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.protocol.codec import Message, ProtocolError, from_fields, to_fields
 from shared.protocol.layout import LayerRange, even_layer_ranges
@@ -133,7 +134,7 @@ class KVTransferParams(Message, tag="kv_params"):
     def remote_address(self) -> str:
         return f"{self.remote_host}:{self.remote_port}"
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """The JSON object a prefill returns, with vLLM's routing flags for the router."""
         return {**to_fields(self), "do_remote_prefill": True, "do_remote_decode": False}
 

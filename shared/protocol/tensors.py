@@ -51,7 +51,7 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     """Zero-copy view of a contiguous CPU tensor's bytes (any dtype, bf16 included)."""
     if not t.is_contiguous():
         raise ValueError("raw_bytes needs a contiguous tensor")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data  # ndarray.data: a 1-D byte memoryview
 
 
 def from_raw(buf: bytes | bytearray | memoryview, dtype: str, shape: list[int]) -> torch.Tensor:
