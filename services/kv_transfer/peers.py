@@ -16,8 +16,8 @@ from typing import Protocol, TypeVar
 
 import aiohttp
 
-from services.kv_transfer.errors import BadGatewayError, peer_error
-from services.kv_transfer.pairing import KVIdentity, mismatch_error, negotiate, sign
+from services.common.errors import BadGatewayError, peer_error
+from services.kv_transfer.handshake import KVIdentity, mismatch_error, negotiate, sign
 from shared.protocol.codec import Message, ProtocolError, decode
 from shared.protocol.messages import HandshakeAccepted, NodeInfo
 

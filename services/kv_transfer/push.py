@@ -31,11 +31,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
 
-from services.common.errors import ApiError
-from services.kv_transfer.errors import ConflictError, GatewayTimeoutError, GoneError, PeerError
+from services.common.errors import (
+    ApiError,
+    ConflictError,
+    GatewayTimeoutError,
+    GoneError,
+    PeerError,
+)
+from services.kv_transfer.context import KVContext, KVTransfer, PulledKV
 from services.kv_transfer.push_receive import PushReceiver
 from services.kv_transfer.push_stream import PushStream
-from services.kv_transfer.transfer import KVContext, KVTransfer, PulledKV
 from shared.protocol.messages import Ack, PushAbort, PushRegister, TokenLogprobWire
 
 log = logging.getLogger("pdmesh.kv_transfer")

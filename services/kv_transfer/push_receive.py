@@ -16,16 +16,16 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from services.common.errors import ApiError
-from services.kv_transfer.blocks import BlockSink
-from services.kv_transfer.errors import (
+from services.common.errors import (
+    ApiError,
     ConflictError,
     GatewayTimeoutError,
     GoneError,
     PeerError,
     ServiceUnavailableError,
 )
-from services.kv_transfer.transfer import KVContext, PulledKV
+from services.kv_transfer.codec import BlockSink
+from services.kv_transfer.context import KVContext, PulledKV
 from shared.protocol.messages import Ack, PushAbort, PushComplete, PushRegister, PushWrite
 
 

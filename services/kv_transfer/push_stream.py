@@ -25,10 +25,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from services.common.errors import ApiError
-from services.kv_transfer.blocks import StagingRing, iter_chunks
-from services.kv_transfer.errors import ConflictError, GoneError
-from services.kv_transfer.transfer import KVContext
+from services.common.errors import ApiError, ConflictError, GoneError
+from services.kv_transfer.codec import StagingRing, iter_chunks
+from services.kv_transfer.context import KVContext
 from shared.engine.kv_stream import KVProgress
 from shared.protocol.messages import Ack, PushAbort, PushComplete, PushRegister, PushWrite
 from shared.protocol.messages import TokenLogprobWire as FirstToken

@@ -18,13 +18,14 @@ from collections.abc import Callable
 import aiohttp
 from prometheus_client import CollectorRegistry
 
+from services.common.errors import ConflictError
 from services.kv_transfer.config import KVTransferConfig
-from services.kv_transfer.pairing import KVIdentity, PeerRegistry
+from services.kv_transfer.context import KVContext, KVTransfer, KVTransferMetrics
+from services.kv_transfer.handshake import KVIdentity, PeerRegistry
 from services.kv_transfer.peers import PeerClient
 from services.kv_transfer.pull import PullTransfer
 from services.kv_transfer.push import PushTransfer
 from services.kv_transfer.store import KVBlockStore, KVGeometry
-from services.kv_transfer.transfer import KVContext, KVTransfer, KVTransferMetrics
 from shared.protocol.compat import CompatFactors, ModelKVSpec
 from shared.protocol.messages import NodeInfo
 
@@ -55,6 +56,11 @@ def stage_ranges_of(start: int, partition: tuple[int, ...] | None) -> tuple[tupl
     return tuple(ranges)
 
 
+def _mode_mismatch(runs: str, wanted: str) -> ConflictError:
+    return ConflictError(f"this KV service runs {runs} mode, not {wanted}",
+                         param="transfer_mode", code="kv_transfer_mode_mismatch")
+
+
 class KVTransferService:
     """The KV service of one worker. `transfer` is the mode's class instance; `pull`/`push`
     give it typed (and fail loudly when the worker runs the other mode)."""
@@ -83,14 +89,17 @@ class KVTransferService:
 
     @property
     def pull(self) -> PullTransfer:
+        """The pull mode; 409 `kv_transfer_mode_mismatch` when this service runs push (the
+        one check for a peer's pull route and for the worker's own calls)."""
         if not isinstance(self.transfer, PullTransfer):
-            raise RuntimeError(f"this worker runs KV mode {self.transfer.mode!r}, not pull")
+            raise _mode_mismatch(self.transfer.mode, "pull")
         return self.transfer
 
     @property
     def push(self) -> PushTransfer:
+        """The push mode; 409 `kv_transfer_mode_mismatch` when this service runs pull."""
         if not isinstance(self.transfer, PushTransfer):
-            raise RuntimeError(f"this worker runs KV mode {self.transfer.mode!r}, not push")
+            raise _mode_mismatch(self.transfer.mode, "push")
         return self.transfer
 
     def release_held_soon(self, request_id: str) -> None:

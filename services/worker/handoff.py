@@ -25,8 +25,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from services.common.errors import ApiError, BadRequestError, InternalServerError
-from services.kv_transfer.errors import BadGatewayError, ConflictError, GatewayTimeoutError
+from services.common.errors import (
+    ApiError,
+    BadGatewayError,
+    BadRequestError,
+    ConflictError,
+    GatewayTimeoutError,
+    InternalServerError,
+)
 from services.worker.config import KVLoadFailurePolicy, WorkerConfig
 from services.worker.engine_client import EngineClient
 from services.worker.kv_params import (
@@ -43,8 +49,8 @@ from shared.protocol.messages import TokenLogprobWire, prompt_digest
 from shared.protocol.pd import PARAM, PrefillLegParams, PushOverlap, PushPrefillResult, Role
 
 if TYPE_CHECKING:  # torch-heavy; a mixed worker never loads them
+    from services.kv_transfer.context import PulledKV
     from services.kv_transfer.push_stream import PushStream
-    from services.kv_transfer.transfer import PulledKV
     from services.worker.kv_link import KVLink
 
 log = logging.getLogger(__name__)
@@ -155,11 +161,11 @@ class Handoff:
     def arrive(self, state: LegState) -> None:
         """Pull decode: heartbeat the prefill's lease from arrival until the request ends."""
         if isinstance(state.leg, PullDecodeLeg):
-            self.service.pull.track(state.leg.params)
+            self.service.pull.decode.track(state.leg.params)
 
     def leave(self, state: LegState) -> None:
         if isinstance(state.leg, PullDecodeLeg):
-            self.service.pull.untrack(state.leg.params)
+            self.service.pull.decode.untrack(state.leg.params)
 
     def abandon(self, state: LegState, reason: str) -> None:
         """The request failed before its transfer started: free what it holds here and tell
@@ -176,7 +182,7 @@ class Handoff:
             elif leg.transfer_id is not None:
                 self.service.push.decline_send(leg.transfer_id, reason)
         elif isinstance(leg, PullDecodeLeg):
-            self.service.pull.decline(leg.params)
+            self.service.pull.decode.decline(leg.params)
         else:
             self.service.push.decline_receive(leg.transfer_id, leg.prefill_address,
                                               leg.remote_engine_id, reason)
@@ -195,7 +201,7 @@ class Handoff:
                 or params.params.remote_engine_id != node.engine_id:
             raise BadRequestError("these kv_transfer_params were not issued by this worker",
                                   param=f"{PARAM}.remote_engine_id", code="kv_not_issued_here")
-        return self.service.pull.abort(params.params.remote_request_id, params.params.lease_id)
+        return self.service.pull.prefill.abort(params.params.remote_request_id, params.params.lease_id)
 
     async def hand_off(self, state: LegState, prompt: list[int],
                        first: TokenLogprobWire) -> dict[str, Any]:
@@ -209,7 +215,7 @@ class Handoff:
                                       code="kv_not_held")
         state.transferring = True  # offer/send release the held blocks on every path
         if leg.transfer_id is None:
-            params = await self.service.pull.offer(request_id, ids, len(prompt), first,
+            params = await self.service.pull.prefill.offer(request_id, ids, len(prompt), first,
                                                    prompt_digest(prompt))
             return params.to_json()
         num_bytes = await self.service.push.send(leg.transfer_id, request_id, ids, len(prompt),
@@ -287,7 +293,7 @@ class Handoff:
         try:
             async with asyncio.timeout(self.reclaim_s):
                 if isinstance(leg, PullDecodeLeg):
-                    return await self.service.pull.fetch(leg.params)
+                    return await self.service.pull.decode.fetch(leg.params)
                 return await self.service.push.receive(leg.transfer_id, leg.prefill_address,
                                                        num_tokens, leg.remote_engine_id)
         except TimeoutError:

@@ -161,12 +161,12 @@ async def test_async_engine_delivers_progress_and_reaps_leases_every_step(
             first = out.token_ids[0] if out.finished else None
         held = await connector.held_block_ids("held")
         assert [len(r.block_ids) for r in reports][-1] == 8 and held is not None
-        await service.pull.offer("held", held, len(PROMPT), TokenLogprobWire(first or 0))
+        await service.pull.prefill.offer("held", held, len(PROMPT), TokenLogprobWire(first or 0))
         now[0] = 1000.0  # the lease ran out; no timer runs (the service is not started)
-        assert service.pull.source.leases.status("held").state == "held"  # not reaped yet
+        assert service.pull.prefill.leases.status("held").state == "held"  # not reaped yet
         async for _ in engine.generate("next", PROMPT[:20], ONE_TOKEN):  # engine steps
             pass
-        assert service.pull.source.leases.status("held").state == "expired"
+        assert service.pull.prefill.leases.status("held").state == "expired"
         await service.ctx.drain()
         assert (await engine._run_in_engine(lambda e: e.stats())).num_held_blocks == 0
         detach()

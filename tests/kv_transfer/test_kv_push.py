@@ -9,7 +9,7 @@ import pytest
 from kv_helpers import FIRST, Node, blocks_of, prefill_request, small_spec
 from test_kv_pull import assert_no_leaks, same_bits
 
-from services.kv_transfer.errors import ApiError
+from services.common.errors import ApiError
 from services.kv_transfer.push import Rendezvous
 
 BIG = {"spec": small_spec(num_layers=4, num_kv_heads=4, head_dim=64), "block_size": 16,

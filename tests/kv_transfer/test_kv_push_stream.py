@@ -16,7 +16,7 @@ from kv_helpers import FIRST, Node, blocks_of, prefill_request
 from test_kv_pull import assert_no_leaks, same_bits
 from test_kv_push import BIG, pair
 
-from services.kv_transfer.errors import ApiError
+from services.common.errors import ApiError
 from services.kv_transfer.store import block_major
 from shared.engine.kv_stream import KVProgress
 

@@ -11,7 +11,7 @@ import uvloop
 from kv_helpers import FIRST, SECRET, prefill_request, small_spec, start_node
 from test_kv_pull import assert_no_leaks, same_bits
 
-from services.kv_transfer.blocks import (
+from services.kv_transfer.codec import (
     BlockSink,
     BufferPool,
     StagingRing,
@@ -144,8 +144,8 @@ async def transfer_big(mode: str, secret: bytes | None) -> None:
         ids = await prefill_request(p, "req", tokens, seed=3)
         expected = plain_rows(p.store.kv_cache, ids)
         if mode == "pull":
-            params = await p.service.pull.offer("req", ids, tokens, FIRST)
-            kv = await d.service.pull.fetch(params)
+            params = await p.service.pull.prefill.offer("req", ids, tokens, FIRST)
+            kv = await d.service.pull.decode.fetch(params)
         else:
             kv, _ = await asyncio.gather(d.service.push.receive("t1", p.address, tokens),
                                          p.service.push.send("t1", "req", ids, tokens, FIRST))

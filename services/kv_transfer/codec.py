@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.kv_transfer.errors import BadGatewayError
+from services.common.errors import BadGatewayError
 from services.kv_transfer.store import KVGeometry, gather, scatter
 from shared.protocol.codec import ProtocolError
 from shared.protocol.messages import TensorChunk
