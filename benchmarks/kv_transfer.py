@@ -112,8 +112,8 @@ async def push_once(p: Side, d: Side, i: int) -> Sample:
     ids = await prefilled(p, f"p{i}")
     cpu, faults = time.thread_time(), minor_faults()
     recv = asyncio.ensure_future(
-        d.service.push.receive(f"t{i}", p.service.identity.node.address, TOKENS))
-    await p.service.push.send(f"t{i}", f"p{i}", ids, TOKENS, FIRST)
+        d.service.push.decode.receive(f"t{i}", p.service.identity.node.address, TOKENS))
+    await p.service.push.prefill.send(f"t{i}", f"p{i}", ids, TOKENS, FIRST)
     kv = await recv
     cpu, faults = time.thread_time() - cpu, minor_faults() - faults
     await d.store.free(kv.block_ids)

@@ -163,7 +163,7 @@ async def heartbeat(request: web.Request) -> web.Response:
 @routes.post("/kv/v1/push/register")
 async def push_register(request: web.Request) -> web.Response:
     service, msg, _ = await _open_peer(request, PushRegister)
-    return reply(service.push.sender.register(msg))
+    return reply(service.push.prefill.register(msg))
 
 
 @routes.post("/kv/v1/push/write")
@@ -171,13 +171,13 @@ async def push_write(request: web.Request) -> web.Response:
     async with request.app[BODY_BUFFERS_KEY].body(request) as body:
         service, msg, reader = await _open_peer(request, PushWrite, body)
         # Synchronous: the chunk is in the cache before the buffer goes back to the pool.
-        return reply(service.push.receiver.write(msg, reader.trailing()))
+        return reply(service.push.decode.write(msg, reader.trailing()))
 
 
 @routes.post("/kv/v1/push/complete")
 async def push_complete(request: web.Request) -> web.Response:
     service, msg, _ = await _open_peer(request, PushComplete)
-    return reply(service.push.receiver.complete(msg))
+    return reply(service.push.decode.complete(msg))
 
 
 @routes.post("/kv/v1/push/abort")

@@ -50,7 +50,7 @@ from shared.protocol.pd import PARAM, PrefillLegParams, PushOverlap, PushPrefill
 
 if TYPE_CHECKING:  # torch-heavy; a mixed worker never loads them
     from services.kv_transfer.context import PulledKV
-    from services.kv_transfer.push_stream import PushStream
+    from services.kv_transfer.push_prefill_stream import PushStream
     from services.worker.kv_link import KVLink
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class Handoff:
             return KVRequestOptions.await_remote()
         if leg.transfer_id is None or not self.kv.streams_kv_progress:
             return KVRequestOptions.hold()
-        state.stream = self.service.push.open(leg.transfer_id, num_tokens, leg.decode_engine_id)
+        state.stream = self.service.push.prefill.open(leg.transfer_id, num_tokens, leg.decode_engine_id)
         return KVRequestOptions.hold(on_progress=state.stream.feed)
 
     def arrive(self, state: LegState) -> None:
@@ -180,11 +180,11 @@ class Handoff:
             if state.stream is not None:
                 state.stream.abort(reason)  # it tells the decode (once registered)
             elif leg.transfer_id is not None:
-                self.service.push.decline_send(leg.transfer_id, reason)
+                self.service.push.prefill.decline(leg.transfer_id, reason)
         elif isinstance(leg, PullDecodeLeg):
             self.service.pull.decode.decline(leg.params)
         else:
-            self.service.push.decline_receive(leg.transfer_id, leg.prefill_address,
+            self.service.push.decode.decline(leg.transfer_id, leg.prefill_address,
                                               leg.remote_engine_id, reason)
 
     # ---- prefill -----------------------------------------------------------------------
@@ -218,7 +218,7 @@ class Handoff:
             params = await self.service.pull.prefill.offer(request_id, ids, len(prompt), first,
                                                    prompt_digest(prompt))
             return params.to_json()
-        num_bytes = await self.service.push.send(leg.transfer_id, request_id, ids, len(prompt),
+        num_bytes = await self.service.push.prefill.send(leg.transfer_id, request_id, ids, len(prompt),
                                                  first, leg.decode_engine_id, state.stream)
         node = self.service.identity.node
         return PushPrefillResult(leg.transfer_id, node.engine_id, node.kv_host, node.kv_port,
@@ -294,7 +294,7 @@ class Handoff:
             async with asyncio.timeout(self.reclaim_s):
                 if isinstance(leg, PullDecodeLeg):
                     return await self.service.pull.decode.fetch(leg.params)
-                return await self.service.push.receive(leg.transfer_id, leg.prefill_address,
+                return await self.service.push.decode.receive(leg.transfer_id, leg.prefill_address,
                                                        num_tokens, leg.remote_engine_id)
         except TimeoutError:
             raise GatewayTimeoutError(f"remote KV did not arrive within {self.reclaim_s:.0f}s",

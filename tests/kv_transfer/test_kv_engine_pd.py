@@ -113,10 +113,10 @@ async def test_pull_pd_equals_mixed(workers) -> None:
 async def test_push_pd_equals_mixed(workers) -> None:
     p, d = await workers("prefill", "push"), await workers("decode", "push")
     mixed = await d.run("mixed", 8)
-    receive = asyncio.ensure_future(d.service.push.receive("t1", p.service.identity.node.address,
+    receive = asyncio.ensure_future(d.service.push.decode.receive("t1", p.service.identity.node.address,
                                                            len(PROMPT)))
     first, held = await prefill(p, "req")
-    await p.service.push.send("t1", "req", held, len(PROMPT), TokenLogprobWire(first))
+    await p.service.push.prefill.send("t1", "req", held, len(PROMPT), TokenLogprobWire(first))
     kv = await receive
     tokens = await d.decode("req", 8, kv)
     assert tokens == mixed

@@ -48,7 +48,7 @@ async def test_waiting_decode_is_reclaimed_after_the_deadline_not_before() -> No
                           push_deadline_seconds=0.1)
     config = WorkerConfig(role=Role.DECODE, kv=kv)
     push = StalledPush()
-    service = SimpleNamespace(transfer=push, push=push)
+    service = SimpleNamespace(transfer=push, push=SimpleNamespace(decode=push))
     engine = SimpleNamespace(model_config=SimpleNamespace(vocab_size=100), kv_connector=None)
     handoff = Handoff(engine, SimpleNamespace(service=service), config)  # type: ignore[arg-type]
     assert handoff.reclaim_s == kv.reclaim_deadline_s

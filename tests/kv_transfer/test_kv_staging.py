@@ -147,8 +147,8 @@ async def transfer_big(mode: str, secret: bytes | None) -> None:
             params = await p.service.pull.prefill.offer("req", ids, tokens, FIRST)
             kv = await d.service.pull.decode.fetch(params)
         else:
-            kv, _ = await asyncio.gather(d.service.push.receive("t1", p.address, tokens),
-                                         p.service.push.send("t1", "req", ids, tokens, FIRST))
+            kv, _ = await asyncio.gather(d.service.push.decode.receive("t1", p.address, tokens),
+                                         p.service.push.prefill.send("t1", "req", ids, tokens, FIRST))
         assert same_bits(expected, plain_rows(d.store.kv_cache, kv.block_ids))
         await d.store.free(kv.block_ids)
         await assert_no_leaks(p, d)

@@ -15,7 +15,7 @@ blocks are not the ones written. Digests are taken from the bytes as sent, per e
 
 Failure: any error (the decode's abort, a write refused, the deadline, `abort` by the
 prefill's own request ending) ends the task; the decode is told unless it told us. Held
-blocks are the sender's business (PushSender.send releases them however this ends).
+blocks are the prefill side's business (PushPrefill.send releases them however this ends).
 """
 
 from __future__ import annotations
