@@ -84,7 +84,7 @@ def check_hash(local: KVIdentity, reader: EnvelopeReader, allow_incompatible: bo
     if not allow_incompatible:
         raise err
     if handshake:
-        log.warning("!!! KV PAIRING WITH AN INCOMPATIBLE PEER (--kv-allow-incompatible): %s "
+        log.warning("!!! KV HANDSHAKE WITH AN INCOMPATIBLE PEER (--kv-allow-incompatible): %s "
                     "!!! Transferred KV may be garbage.", err.message)
 
 

@@ -78,7 +78,7 @@ class PeerClient:
             err = mismatch_error(self.identity, accepted.compat_hash, accepted.factors)
             if not self._allow_incompatible:
                 raise err
-            log.warning("!!! KV PAIRING WITH AN INCOMPATIBLE PEER %s: %s", address, err.message)
+            log.warning("!!! KV HANDSHAKE WITH AN INCOMPATIBLE PEER %s: %s", address, err.message)
         negotiate(self.identity.node, accepted.node)
         return accepted.node
 

@@ -1,8 +1,8 @@
-"""The P/D legs of one worker: handing a finished prompt's KV off, and taking it over.
+"""The P/D legs of one worker: exporting a finished prompt's KV, and taking it over.
 
 Prefill leg: the engine runs the request with `KVRequestOptions.hold()` (max_tokens 1), so its
-blocks outlive it; `hand_off` then leases them (pull: the response carries the kv_transfer_params) or
-pushes them into the decode registered under the transfer id (push). Decode leg: the engine
+blocks outlive it; `export_kv` then leases them (pull: the response carries the
+kv_transfer_params) or pushes them into the decode registered under the transfer id (push). Decode leg: the engine
 request is added with `KVRequestOptions.await_remote()` (it waits, abortable, never scheduled),
 `load` pulls or receives the KV into freshly allocated blocks and hands them to the waiting
 request through the engine's KV connector (`adopt`), which then emits the prefill's first
@@ -103,11 +103,11 @@ def engine_logprob(wire: TokenLogprobWire) -> TokenLogprob | None:
                                                               strict=True)))
 
 
-class Handoff:
+class PDLegs:
     """The P/D operations of one prefill or decode worker, over its engine and KV service.
 
     Stateless between requests (per-request progress lives in `LegState`); the serving flow
-    calls `check`, `arrive`/`leave`, then `hand_off` (prefill) or `load` (decode), and
+    calls `check`, `arrive`/`leave`, then `export_kv` (prefill) or `load` (decode), and
     `abandon` on any failure.
     """
 
@@ -203,7 +203,7 @@ class Handoff:
                                   param=f"{PARAM}.remote_engine_id", code="kv_not_issued_here")
         return self.service.pull.prefill.abort(params.params.remote_request_id, params.params.lease_id)
 
-    async def hand_off(self, state: LegState, prompt: list[int],
+    async def export_kv(self, state: LegState, prompt: list[int],
                        first: TokenLogprobWire) -> dict[str, Any]:
         """Lease (pull) or push (push) the finished request's held blocks; the JSON object
         that goes out as the response's `kv_transfer_params`."""
