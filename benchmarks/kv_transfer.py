@@ -100,7 +100,7 @@ def minor_faults() -> int:
 
 async def pull_once(d: Side, params: KVTransferParams, settle: list[Side]) -> Sample:
     cpu, faults = time.thread_time(), minor_faults()
-    kv = await d.service.pull.fetch(params)
+    kv = await d.service.pull.decode.fetch(params)
     cpu, faults = time.thread_time() - cpu, minor_faults() - faults
     await d.store.free(kv.block_ids)
     for s in settle:  # the lease release goes out in the background
@@ -112,8 +112,8 @@ async def push_once(p: Side, d: Side, i: int) -> Sample:
     ids = await prefilled(p, f"p{i}")
     cpu, faults = time.thread_time(), minor_faults()
     recv = asyncio.ensure_future(
-        d.service.push.receive(f"t{i}", p.service.identity.node.address, TOKENS))
-    await p.service.push.send(f"t{i}", f"p{i}", ids, TOKENS, FIRST)
+        d.service.push.decode.receive(f"t{i}", p.service.identity.node.address, TOKENS))
+    await p.service.push.prefill.send(f"t{i}", f"p{i}", ids, TOKENS, FIRST)
     kv = await recv
     cpu, faults = time.thread_time() - cpu, minor_faults() - faults
     await d.store.free(kv.block_ids)
@@ -153,7 +153,7 @@ async def in_process(iters: int) -> dict[str, list[Sample]]:
     sp, sd = await side("prefill", "push", 130), await side("decode", "push", 130)
     out: dict[str, list[Sample]] = {"raw TCP": [], "KV pull": [], "KV push": []}
     for i in range(iters + 1):  # round 0 includes handshakes and warm-up: not counted
-        params = await pp.service.pull.offer(f"r{i}", await prefilled(pp, f"r{i}"), TOKENS, FIRST)
+        params = await pp.service.pull.prefill.offer(f"r{i}", await prefilled(pp, f"r{i}"), TOKENS, FIRST)
         round_ = {"raw TCP": await raw_send(port), "KV pull": await pull_once(pd, params, [pd, pp]),
                   "KV push": await push_once(sp, sd, i)}
         for name, value in round_.items():
@@ -169,7 +169,7 @@ async def serve_prefill(iters: int) -> None:
     print(port, flush=True)
     p = await side("prefill", "pull", 125 * (iters + 1) + 1)
     for i in range(iters + 1):
-        params = await p.service.pull.offer(f"r{i}", await prefilled(p, f"r{i}"), TOKENS, FIRST)
+        params = await p.service.pull.prefill.offer(f"r{i}", await prefilled(p, f"r{i}"), TOKENS, FIRST)
         print(json.dumps(params.to_json()), flush=True)
     await asyncio.Event().wait()
 

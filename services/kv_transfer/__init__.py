@@ -1,7 +1,17 @@
 """KV-transfer service: the /kv/v1 aiohttp app inside every prefill and decode worker.
 
-Entry points for a worker: `config.KVTransferConfig` (+ `config.add_arguments`),
-`service.KVTransferService` (`.pull.offer/fetch/abort/track/untrack/decline`,
-`.push.send/receive/decline_send/decline_receive`), `app.create_app` / `app.start_server`,
-and `store.EngineBlockStore` over its AsyncEngine. services/worker/handoff.py is the user.
+One concept per module; "prefill"/"decode" in a name say which side of a transfer it serves:
+- `app`: the aiohttp app, its routes and `start_server`;
+- `service`: `KVTransferService`, the object a worker keeps (`.pull` / `.push`, each with its
+  `.prefill` and `.decode` side; the wrong mode is a 409);
+- `context`: the state a transfer mode works in (`KVContext`), the mode base, metrics;
+- `handshake`: compat hash, negotiation, layer coverage, handshaken peers, HMAC;
+- `peers`: the client side of the handshake and of every request to another KV service;
+- `lease`: the prefill's leases on finished blocks (pull mode);
+- `store`: the engine's block store (`EngineBlockStore`, `InMemoryBlockStore`), gather/scatter;
+- `codec`: chunking, staging buffers, digests and placement of blocks on the wire;
+- `pull`: pull mode, both sides; `push`: push mode, both sides;
+  `push_prefill_stream`: one push transfer on the prefill, overlapping compute;
+- `config`: `KVTransferConfig` (+ `add_arguments`).
+Errors are services.common.errors. services/worker/kv_link.py builds the service.
 """

@@ -22,12 +22,9 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from services.common.errors import error_middleware
+from services.common.errors import BadRequestError, error_middleware
 from services.kv_transfer.config import KVTransferConfig
-from services.kv_transfer.errors import BadRequestError, ConflictError
-from services.kv_transfer.pairing import check_hash, hmac_middleware, negotiate
-from services.kv_transfer.pull import PullTransfer
-from services.kv_transfer.push import PushTransfer
+from services.kv_transfer.handshake import check_hash, hmac_middleware, negotiate
 from services.kv_transfer.service import KVTransferService
 from shared.protocol.codec import MAX_HEADER_BYTES, EnvelopeReader, Message, ProtocolError, encode
 from shared.protocol.messages import (
@@ -107,35 +104,21 @@ def _message(reader: EnvelopeReader, cls: type[M]) -> M:
         raise BadRequestError(f"bad {cls.TAG} message: {exc}", code="kv_bad_message") from None
 
 
-async def _open(request: web.Request, cls: type[M], pairing: bool,
+async def _open(request: web.Request, cls: type[M], handshake: bool,
                 body: bytes | memoryview | None = None) -> tuple[KVTransferService, M,
                                                                   EnvelopeReader]:
     service = request.app[SERVICE_KEY]
     reader = await _envelope(request, body)
-    check_hash(service.identity, reader, service.config.allow_incompatible, pairing)
+    check_hash(service.identity, reader, service.config.allow_incompatible, handshake)
     return service, _message(reader, cls), reader
 
 
 async def _open_peer(request: web.Request, cls: type[P], body: bytes | memoryview | None = None
                      ) -> tuple[KVTransferService, P, EnvelopeReader]:
     """As `_open`, and the sender must have completed a handshake (409 otherwise)."""
-    service, msg, reader = await _open(request, cls, pairing=False, body=body)
+    service, msg, reader = await _open(request, cls, handshake=False, body=body)
     service.ctx.registry.require(msg.engine_id)
     return service, msg, reader
-
-
-def _pull(service: KVTransferService) -> PullTransfer:
-    if not isinstance(service.transfer, PullTransfer):
-        raise ConflictError("this KV service runs push mode", param="transfer_mode",
-                            code="kv_transfer_mode_mismatch")
-    return service.transfer
-
-
-def _push(service: KVTransferService) -> PushTransfer:
-    if not isinstance(service.transfer, PushTransfer):
-        raise ConflictError("this KV service runs pull mode", param="transfer_mode",
-                            code="kv_transfer_mode_mismatch")
-    return service.transfer
 
 
 @routes.get("/kv/v1/info")
@@ -146,7 +129,7 @@ async def info(request: web.Request) -> web.Response:
 
 @routes.post("/kv/v1/handshake")
 async def handshake(request: web.Request) -> web.Response:
-    service, peer, _ = await _open(request, NodeInfo, pairing=True)
+    service, peer, _ = await _open(request, NodeInfo, handshake=True)
     negotiate(service.identity.node, peer)
     service.ctx.registry.admit(peer)
     ident = service.identity
@@ -156,7 +139,7 @@ async def handshake(request: web.Request) -> web.Response:
 @routes.post("/kv/v1/pull")
 async def pull(request: web.Request) -> web.StreamResponse:
     service, msg, _ = await _open_peer(request, PullRequest)
-    source = _pull(service).source
+    source = service.pull.prefill
     lease = source.open(msg)
     return await source.stream(request, lease)
 
@@ -168,19 +151,19 @@ async def release(request: web.Request) -> web.Response:
     prefill as incompatible still frees the blocks at once instead of waiting out the lease."""
     service = request.app[SERVICE_KEY]
     msg = _message(await _envelope(request), ReleaseRequest)
-    return reply(_pull(service).source.release(msg))
+    return reply(service.pull.prefill.release(msg))
 
 
 @routes.post("/kv/v1/heartbeat")
 async def heartbeat(request: web.Request) -> web.Response:
     service, msg, _ = await _open_peer(request, HeartbeatRequest)
-    return reply(_pull(service).source.heartbeat(msg))
+    return reply(service.pull.prefill.heartbeat(msg))
 
 
 @routes.post("/kv/v1/push/register")
 async def push_register(request: web.Request) -> web.Response:
     service, msg, _ = await _open_peer(request, PushRegister)
-    return reply(_push(service).sender.register(msg))
+    return reply(service.push.prefill.register(msg))
 
 
 @routes.post("/kv/v1/push/write")
@@ -188,19 +171,19 @@ async def push_write(request: web.Request) -> web.Response:
     async with request.app[BODY_BUFFERS_KEY].body(request) as body:
         service, msg, reader = await _open_peer(request, PushWrite, body)
         # Synchronous: the chunk is in the cache before the buffer goes back to the pool.
-        return reply(_push(service).receiver.write(msg, reader.trailing()))
+        return reply(service.push.decode.write(msg, reader.trailing()))
 
 
 @routes.post("/kv/v1/push/complete")
 async def push_complete(request: web.Request) -> web.Response:
     service, msg, _ = await _open_peer(request, PushComplete)
-    return reply(_push(service).receiver.complete(msg))
+    return reply(service.push.decode.complete(msg))
 
 
 @routes.post("/kv/v1/push/abort")
 async def push_abort(request: web.Request) -> web.Response:
     service, msg, _ = await _open_peer(request, PushAbort)
-    return reply(_push(service).on_abort(msg))
+    return reply(service.push.on_abort(msg))
 
 
 CONFIG_KEY = web.AppKey("kv_config", KVTransferConfig)

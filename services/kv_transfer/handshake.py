@@ -1,27 +1,109 @@
-"""Layer coverage, negotiated in the KV handshake: the stages behind a peer must serve every
-layer this side holds, each exactly once.
+"""The KV handshake, both sides' checks: compat hash, negotiation, layer coverage, HMAC.
 
-A KV service declares, per pipeline stage, the global decoder layers [start, end) that stage
-computed (`NodeInfo.layer_ranges`; a PP=1 worker declares one range). With the pipeline's one
-shared cache, stage 0's service reads and writes every stage's layers, so the blocks move as
-with PP=1; the declaration is what lets the other side check, before any byte moves, that
-the union of the stages is exactly the layers it needs: no layer missing (KV the decode would
-attend to as zeros), none served twice, none outside the model. A failed check is a 409 that
-names the layers, never a 500. Pipeline size itself is not in the compat hash: it is
-negotiated here, after the hash matched.
+Order of checks, on both sides of a handshake:
+1. the compat hash, before anything else in the body is parsed; a mismatch is a 409 naming
+   every differing factor with both values, and both hashes;
+2. negotiation of what the hash leaves out: role (prefill with decode), transfer mode, block
+   size (its own message), pipeline layout: the peer's per-stage layer ranges must cover
+   exactly the layers this side holds (`check_layer_coverage`; a 409 naming the missing
+   layers).
+With `allow_incompatible` a hash mismatch is logged loudly on every handshake instead.
+The server side keeps the engines that completed a handshake (`PeerRegistry`); the client
+side is services.kv_transfer.peers.
 
-Coverage is computed on intervals (never layer by layer), so a peer declaring huge ranges
-costs nothing to reject.
+Before all of that, HMAC authentication (on when a secret is configured): every handshake and
+transfer request carries `X-PDMesh-KV-Timestamp` (unix seconds) and `X-PDMesh-KV-Signature`,
+hex HMAC-SHA256 over "timestamp\\nMETHOD\\npath\\n" + body. Binding method and path stops a
+signed body from being replayed on another route; the timestamp window bounds replays in
+time. Missing or wrong -> 401, checked before anything in the body is read.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from services.kv_transfer.errors import ConflictError
+from aiohttp import web
+
+from services.common.errors import AuthenticationError, ConflictError
+from shared.protocol.codec import EnvelopeReader, Message, seal
+from shared.protocol.compat import CompatFactors, diff_factors
 from shared.protocol.layout import LayerRange
 from shared.protocol.messages import NodeInfo
+
+log = logging.getLogger("pdmesh.kv_transfer")
+
+
+@dataclass(frozen=True)
+class KVIdentity:
+    """This service's node facts and compat factors, fixed at start-up."""
+
+    node: NodeInfo
+    factors: CompatFactors
+    compat_hash: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compat_hash", self.factors.hash)
+        if self.node.transfer_mode != self.factors.transfer_mode:
+            raise ValueError("node and factors disagree on the transfer mode")
+        if self.node.layer_end > self.factors.num_layers:
+            raise ValueError(f"KV service holds layers up to {self.node.layer_end}, the model "
+                             f"has {self.factors.num_layers}")
+        check_own_ranges(self.node)
+
+    def seal(self, msg: Message) -> bytes:
+        return seal(self.compat_hash, self.factors.to_wire(), msg)
+
+
+def mismatch_error(local: KVIdentity, remote_hash: str, remote_factors: object) -> ConflictError:
+    diffs = diff_factors(local.factors, remote_factors)
+    named = "; ".join(str(d) for d in diffs) or "none named (factors identical, hash differs)"
+    return ConflictError(
+        f"KV compatibility hash mismatch: local {local.compat_hash} vs remote {remote_hash}. "
+        f"Differing factors: {named}", param="compat_hash", code="kv_incompatible")
+
+
+def check_hash(local: KVIdentity, reader: EnvelopeReader, allow_incompatible: bool,
+               handshake: bool) -> None:
+    """Compare the envelope's hash with ours before its payload is parsed.
+
+    Garbage after a different hash is never decoded beyond a lenient read of the factors (used
+    only to word the error), so any such body gets a clean 409.
+    """
+    if reader.compat_hash == local.compat_hash:
+        return
+    try:
+        remote_factors = reader.factors()
+    except ValueError:
+        remote_factors = "<unreadable>"
+    err = mismatch_error(local, reader.compat_hash, remote_factors)
+    if not allow_incompatible:
+        raise err
+    if handshake:
+        log.warning("!!! KV HANDSHAKE WITH AN INCOMPATIBLE PEER (--kv-allow-incompatible): %s "
+                    "!!! Transferred KV may be garbage.", err.message)
+
+
+# ---- layer coverage -------------------------------------------------------------------
+# Layer coverage, negotiated in the KV handshake: the stages behind a peer must serve every
+# layer this side holds, each exactly once.
+#
+# A KV service declares, per pipeline stage, the global decoder layers [start, end) that stage
+# computed (`NodeInfo.layer_ranges`; a PP=1 worker declares one range). With the pipeline's one
+# shared cache, stage 0's service reads and writes every stage's layers, so the blocks move as
+# with PP=1; the declaration is what lets the other side check, before any byte moves, that
+# the union of the stages is exactly the layers it needs: no layer missing (KV the decode would
+# attend to as zeros), none served twice, none outside the model. A failed check is a 409 that
+# names the layers, never a 500. Pipeline size itself is not in the compat hash: it is
+# negotiated here, after the hash matched.
+#
+# Coverage is computed on intervals (never layer by layer), so a peer declaring huge ranges
+# costs nothing to reject.
 
 
 @dataclass(frozen=True)
@@ -109,3 +191,112 @@ def check_layer_coverage(local: NodeInfo, remote: NodeInfo) -> None:
         f"[{needed[0]}, {needed[1]}) exactly once: {detail}. The compat hash matched; the "
         "pipeline layouts cannot exchange KV.",
         param="layer_ranges", code="kv_layer_coverage")
+
+
+# ---- negotiation ----------------------------------------------------------------------
+
+
+def negotiate(local: NodeInfo, remote: NodeInfo) -> None:
+    """Raise a 409 naming the first negotiable fact that cannot work between the two nodes."""
+    if local.role == remote.role:
+        raise ConflictError(f"KV peers must pair prefill with decode; both are {local.role}",
+                            code="kv_role_mismatch")
+    if local.transfer_mode != remote.transfer_mode:
+        raise ConflictError(f"KV transfer_mode differs: local {local.transfer_mode!r} vs remote "
+                            f"{remote.transfer_mode!r}", param="transfer_mode",
+                            code="kv_transfer_mode_mismatch")
+    if local.block_size != remote.block_size:
+        raise ConflictError(
+            f"KV block size differs: local {local.block_size} vs remote {remote.block_size} "
+            "tokens per block. The compat hash matched, but blocks are copied 1:1, so both "
+            "workers need the same --block-size.", param="block_size",
+            code="kv_block_size_mismatch")
+    check_layer_coverage(local, remote)  # the stages' union is exactly our layers
+    if local.num_blocks < 1 or remote.num_blocks < 1:
+        raise ConflictError("a KV peer has no cache blocks", code="kv_capacity_mismatch")
+
+
+class PeerRegistry:
+    """Server side: engines that completed a handshake, by engine id and by KV address.
+
+    A new handshake from an address under a different engine id (a restarted peer) drops the
+    old engine's entry, so its stale requests get 409 `kv_handshake_required`.
+    """
+
+    def __init__(self) -> None:
+        self._by_engine: dict[str, NodeInfo] = {}
+        self._engine_at: dict[str, str] = {}
+
+    def admit(self, node: NodeInfo) -> None:
+        old = self._engine_at.get(node.address)
+        if old is not None and old != node.engine_id:
+            self._by_engine.pop(old, None)
+            log.info("KV peer at %s restarted: engine %s -> %s", node.address, old, node.engine_id)
+        self._by_engine[node.engine_id] = node
+        self._engine_at[node.address] = node.engine_id
+
+    def require(self, engine_id: str) -> NodeInfo:
+        node = self._by_engine.get(engine_id)
+        if node is None:
+            raise ConflictError(f"engine {engine_id!r} has not completed a KV handshake",
+                                code="kv_handshake_required")
+        return node
+
+    def __len__(self) -> int:
+        return len(self._by_engine)
+
+
+# ---- HMAC ----------------------------------------------------------------------------
+
+
+SIGNATURE_HEADER = "X-PDMesh-KV-Signature"
+TIMESTAMP_HEADER = "X-PDMesh-KV-Timestamp"
+KV_PREFIX = "/kv/v1/"
+UNSIGNED_PATHS = frozenset({"/kv/v1/info"})  # read-only facts a router may query
+
+
+def _mac(secret: bytes, timestamp: str, method: str, path: str,
+         body_parts: Iterable[bytes | memoryview]) -> str:
+    mac = hmac.new(secret, f"{timestamp}\n{method.upper()}\n{path}\n".encode(), hashlib.sha256)
+    for part in body_parts:
+        mac.update(part)
+    return mac.hexdigest()
+
+
+def sign(secret: bytes | None, method: str, path: str,
+         body_parts: Iterable[bytes | memoryview]) -> dict[str, str]:
+    """Headers to send with a request (none without a secret). Parts avoid joining a body."""
+    if secret is None:
+        return {}
+    ts = str(int(time.time()))
+    return {TIMESTAMP_HEADER: ts, SIGNATURE_HEADER: _mac(secret, ts, method, path, body_parts)}
+
+
+def verify(secret: bytes, headers: Any, method: str, path: str, body: bytes,
+           max_skew_s: float) -> None:
+    ts, sig = headers.get(TIMESTAMP_HEADER), headers.get(SIGNATURE_HEADER)
+    if not ts or not sig:
+        raise AuthenticationError("KV request is not signed (missing HMAC headers)",
+                                  code="kv_auth_missing")
+    try:
+        skew = abs(time.time() - int(ts))
+    except ValueError:
+        skew = float("inf")
+    expected = _mac(secret, ts, method, path, (body,))
+    if not hmac.compare_digest(expected, sig) or skew > max_skew_s:
+        raise AuthenticationError("KV request signature is invalid or too old",
+                                  code="kv_auth_invalid")
+
+
+def hmac_middleware(secret: bytes | None, max_skew_s: float) -> Any:
+    """Verify every request under /kv/v1/ except UNSIGNED_PATHS; a no-op without a secret."""
+
+    @web.middleware
+    async def kv_hmac(request: web.Request, handler: Any) -> web.StreamResponse:
+        if secret is not None and request.path.startswith(KV_PREFIX) \
+                and request.path not in UNSIGNED_PATHS:
+            body = await request.read()  # cached by aiohttp for the handler
+            verify(secret, request.headers, request.method, request.path, body, max_skew_s)
+        return await handler(request)
+
+    return kv_hmac

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from services.kv_transfer.errors import BadRequestError, GoneError, NotFoundError
+from services.common.errors import BadRequestError, GoneError, NotFoundError
 from shared.protocol.messages import LeaseRef, LeaseStatus
 
 

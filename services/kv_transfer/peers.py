@@ -16,8 +16,8 @@ from typing import Protocol, TypeVar
 
 import aiohttp
 
-from services.kv_transfer.errors import BadGatewayError, peer_error
-from services.kv_transfer.pairing import KVIdentity, mismatch_error, negotiate, sign
+from services.common.errors import BadGatewayError, peer_error
+from services.kv_transfer.handshake import KVIdentity, mismatch_error, negotiate, sign
 from shared.protocol.codec import Message, ProtocolError, decode
 from shared.protocol.messages import HandshakeAccepted, NodeInfo
 
@@ -78,7 +78,7 @@ class PeerClient:
             err = mismatch_error(self.identity, accepted.compat_hash, accepted.factors)
             if not self._allow_incompatible:
                 raise err
-            log.warning("!!! KV PAIRING WITH AN INCOMPATIBLE PEER %s: %s", address, err.message)
+            log.warning("!!! KV HANDSHAKE WITH AN INCOMPATIBLE PEER %s: %s", address, err.message)
         negotiate(self.identity.node, accepted.node)
         return accepted.node
 

@@ -1,25 +1,35 @@
-"""Push mode: the prefill writes blocks straight into blocks the decode pre-allocated.
+"""Push mode, both sides: the prefill writes blocks straight into blocks the decode
+pre-allocated.
 
 The router issues one `transfer_id` and sends both legs concurrently.
 Decode worker (knows the prompt length after tokenizing):
-    kv = await service.push.receive(transfer_id, prefill_kv_address, num_prompt_tokens)
+    kv = await service.push.decode.receive(transfer_id, prefill_kv_address, num_prompt_tokens)
     -> engine.add_request(..., prefilled=PrefilledKV(kv.block_ids, kv.num_tokens, ...))
 Prefill worker, when the request arrives (its prompt length known), before it runs:
-    stream = service.push.open(transfer_id, num_prompt_tokens)
+    stream = service.push.prefill.open(transfer_id, num_prompt_tokens)
     -> engine request with hold_kv=True and on_kv_progress=stream.feed (blocks stream out
        while chunked prefill computes the rest of the prompt)
 and once the prompt finished:
-    await service.push.send(transfer_id, request_id, held_block_ids, num_tokens, first_token,
-                            stream=stream)   # (no stream: everything is written now)
+    await service.push.prefill.send(transfer_id, request_id, held_block_ids, num_tokens,
+                                    first_token, stream=stream)  # no stream: all written now
     (the held blocks are released when it returns or raises)
 
-The decode registers its pre-allocated blocks (POST /kv/v1/push/register, see push_receive);
+The decode registers its pre-allocated blocks (POST /kv/v1/push/register, `PushDecode`);
 the prefill's stream takes that registration from a `Rendezvous` (either may come first,
 bounded by the push deadline), writes blocks chunk by chunk as they are computed (POST
-/kv/v1/push/write; push_stream.py) and finishes with their digests and the first token
-(POST /kv/v1/push/complete). On failure the
-other leg is told at once (POST /kv/v1/push/abort), so neither waits out a deadline for a peer
-that already gave up.
+/kv/v1/push/write; push_prefill_stream.py) and finishes with their digests and the first
+token (POST /kv/v1/push/complete). On failure the other leg is told at once (POST
+/kv/v1/push/abort), so neither waits out a deadline for a peer that already gave up.
+
+Decode side (`PushDecode`): pre-allocate, register with the prefill, receive writes.
+`receive` opens a slot for the transfer id, registers it with the prefill and waits for the
+prefill's completion, at most the push deadline *since the prefill last showed progress*:
+every write restarts it, because a push prefill writes blocks while its prompt is still
+computing (a long prompt under load may take longer than the deadline in all). If the
+prefill goes quiet that long, the slot is closed and the pre-allocated blocks are freed (the
+upstream leak this design avoids); the worker's reclaim deadline bounds the whole wait. A slot
+is always closed *before* its blocks are freed, so a late write gets 410 instead of landing
+in blocks that may already belong to another request.
 """
 
 from __future__ import annotations
@@ -31,79 +41,35 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
 
-from services.common.errors import ApiError
-from services.kv_transfer.errors import ConflictError, GatewayTimeoutError, GoneError, PeerError
-from services.kv_transfer.push_receive import PushReceiver
-from services.kv_transfer.push_stream import PushStream
-from services.kv_transfer.transfer import KVContext, KVTransfer, PulledKV
-from shared.protocol.messages import Ack, PushAbort, PushRegister, TokenLogprobWire
+from services.common.errors import (
+    ApiError,
+    ConflictError,
+    GatewayTimeoutError,
+    GoneError,
+    PeerError,
+    ServiceUnavailableError,
+)
+from services.kv_transfer.codec import BlockSink
+from services.kv_transfer.context import KVContext, KVTransfer, PulledKV
+from services.kv_transfer.push_prefill_stream import PushStream
+from shared.protocol.messages import (
+    Ack,
+    PushAbort,
+    PushComplete,
+    PushRegister,
+    PushWrite,
+    TokenLogprobWire,
+)
 
 log = logging.getLogger("pdmesh.kv_transfer")
 
 
-class PushTransfer(KVTransfer):
-    """Push mode: a `PushSender` (prefill) and a `PushReceiver` (decode) in every worker."""
-
-    mode: ClassVar[str] = "push"
-
-    def __init__(self, ctx: KVContext) -> None:
-        super().__init__(ctx)
-        self.sender = PushSender(ctx, self.mode)
-        self.receiver = PushReceiver(ctx, self.mode)
-
-    def open(self, transfer_id: str, num_tokens: int,
-             decode_engine_id: str | None = None) -> PushStream:
-        return self.sender.open(transfer_id, num_tokens, decode_engine_id)
-
-    async def send(self, transfer_id: str, request_id: str, block_ids: list[int],
-                   num_tokens: int, first_token: TokenLogprobWire,
-                   decode_engine_id: str | None = None, stream: PushStream | None = None) -> int:
-        return await self.sender.send(transfer_id, request_id, block_ids, num_tokens,
-                                      first_token, decode_engine_id, stream)
-
-    async def receive(self, transfer_id: str, prefill_address: str, num_tokens: int,
-                      prefill_engine_id: str | None = None) -> PulledKV:
-        return await self.receiver.receive(transfer_id, prefill_address, num_tokens,
-                                           prefill_engine_id)
-
-    def decline_send(self, transfer_id: str, reason: str) -> None:
-        """The prefill leg failed before `send`: tell the decode that registers (or already
-        registered) `transfer_id` at once, instead of letting it wait out the deadline."""
-        self.ctx.detach(self.sender.decline(transfer_id, reason), "decline push send")
-
-    def decline_receive(self, transfer_id: str, prefill_address: str,
-                        prefill_engine_id: str | None, reason: str) -> None:
-        """The decode leg failed before `receive`: fail the prefill's wait for a registration."""
-        self.ctx.detach(self.receiver.decline(transfer_id, prefill_address, prefill_engine_id,
-                                              reason), "decline push receive")
-
-    def on_abort(self, msg: PushAbort) -> Ack:
-        """The other leg gave up: a decode's abort fails the prefill's registration (or its
-        wait for one); a prefill's abort fails the decode's open slot."""
-        if self.ctx.identity.node.role == "prefill":
-            return self.sender.abort(msg)
-        return self.receiver.abort(msg)
-
-    def reap(self) -> None:
-        self.sender.registrations.reap()
-
-    async def close(self) -> None:
-        # Senders (and declines) waiting for a registration give up now, not at the deadline.
-        self.sender.registrations.close(GoneError("the KV service is shutting down",
-                                                  code="kv_shutting_down"))
-        streams = list(self.sender.streams.values())
-        for stream in streams:  # each tells its decode (when registered) before we drain
-            stream.abort("the KV service is shutting down")
-        if streams:  # bounded: a stream still waiting for a registration may not see close
-            await asyncio.wait([s.task for s in streams], timeout=5.0)
-
-    @property
-    def held_blocks(self) -> int:
-        return self.sender.held_blocks + self.receiver.held_blocks
+# ---- prefill side ------------------------------------------------------------------------
 
 
-class PushSender:
-    """Registrations waiting for their prompt, and the open streams (push_stream.py)."""
+class PushPrefill:
+    """Prefill side of push mode: registrations waiting for their prompt, and the open
+    streams (push_prefill_stream.py)."""
 
     def __init__(self, ctx: KVContext, mode: str) -> None:
         self.ctx = ctx
@@ -173,7 +139,12 @@ class PushSender:
         self.ctx.metrics.observe(self.mode, "send", time.perf_counter() - start, nbytes)
         return nbytes
 
-    async def decline(self, transfer_id: str, reason: str) -> None:
+    def decline(self, transfer_id: str, reason: str) -> None:
+        """The prefill leg failed before `send`: tell the decode that registers (or already
+        registered) `transfer_id` at once, instead of letting it wait out the deadline."""
+        self.ctx.detach(self._decline(transfer_id, reason), "decline push send")
+
+    async def _decline(self, transfer_id: str, reason: str) -> None:
         """Wait (bounded) for the decode of `transfer_id` and tell it this prefill gave up.
         A decode that never comes, or already gave up itself, is the expected quiet end."""
         try:
@@ -194,7 +165,9 @@ V = TypeVar("V")
 
 
 @dataclass
-class _Slot(Generic[V]):
+class _Meeting(Generic[V]):
+    """One key of a `Rendezvous`: the future its taker awaits."""
+
     future: asyncio.Future[V]
     created: float
     waiting: bool = False
@@ -211,12 +184,12 @@ class Rendezvous(Generic[V]):
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
         self.clock = clock
-        self._slots: dict[str, _Slot[V]] = {}
+        self._slots: dict[str, _Meeting[V]] = {}
 
-    def _slot(self, key: str) -> _Slot[V]:
+    def _slot(self, key: str) -> _Meeting[V]:
         slot = self._slots.get(key)
         if slot is None:
-            slot = _Slot(asyncio.get_running_loop().create_future(), self.clock())
+            slot = _Meeting(asyncio.get_running_loop().create_future(), self.clock())
             self._slots[key] = slot
         return slot
 
@@ -273,3 +246,178 @@ class Rendezvous(Generic[V]):
 
     def __len__(self) -> int:
         return len(self._slots)
+
+
+# ---- decode side -------------------------------------------------------------------------
+
+
+@dataclass
+class _ReceiveSlot:
+    """One open push transfer on the decode: its pre-allocated blocks and completion."""
+
+    prefill_engine_id: str
+    block_ids: list[int]
+    sink: BlockSink
+    done: asyncio.Future[PushComplete]
+    last_write: float = 0.0  # monotonic time of the latest write (restarts the deadline)
+
+
+class PushDecode:
+    """Decode side of push mode: open push slots by transfer id, and the handlers that fill
+    them."""
+
+    def __init__(self, ctx: KVContext, mode: str) -> None:
+        self.ctx = ctx
+        self.mode = mode
+        self._slots: dict[str, _ReceiveSlot] = {}
+
+    def _open(self, transfer_id: str, engine_id: str) -> _ReceiveSlot:
+        slot = self._slots.get(transfer_id)
+        if slot is None:
+            raise GoneError(f"no open push slot for transfer {transfer_id!r} (finished, expired, "
+                            "aborted or unknown)", code="kv_push_slot_gone")
+        if slot.prefill_engine_id != engine_id:
+            raise ConflictError(f"transfer {transfer_id!r} belongs to another prefill engine",
+                                code="kv_push_wrong_sender")
+        return slot
+
+    def write(self, msg: PushWrite, payload: memoryview) -> Ack:
+        slot = self._open(msg.transfer_id, msg.engine_id)
+        slot.sink.accept(msg.chunk, payload)
+        slot.last_write = time.monotonic()
+        return Ack()
+
+    def complete(self, msg: PushComplete) -> Ack:
+        slot = self._open(msg.transfer_id, msg.engine_id)
+        if not slot.done.done():
+            slot.done.set_result(msg)
+        return Ack()
+
+    def abort(self, msg: PushAbort) -> Ack:
+        slot = self._slots.get(msg.transfer_id)
+        if slot is not None and slot.prefill_engine_id == msg.engine_id and not slot.done.done():
+            slot.done.set_exception(PeerError(
+                502, f"prefill aborted transfer {msg.transfer_id}: {msg.reason}", "kv_push_aborted"))
+            slot.done.exception()  # retrieved: the receiver may be gone already (cancelled)
+        return Ack()
+
+    async def receive(self, transfer_id: str, prefill_address: str, num_tokens: int,
+                      prefill_engine_id: str | None = None) -> PulledKV:
+        """Allocate, register, wait for the prefill's blocks; verified KV or an error, no leak."""
+        ctx, start = self.ctx, time.perf_counter()
+        if transfer_id in self._slots:
+            raise ConflictError(f"transfer {transfer_id!r} is already open", code="kv_duplicate")
+        peer = await ctx.peers.connect(prefill_address, prefill_engine_id)
+        local = await ctx.store.allocate(num_tokens)
+        if local is None:
+            raise ServiceUnavailableError("no free KV blocks for the transfer",
+                                          code="kv_blocks_unavailable", headers={"Retry-After": "1"})
+        if transfer_id in self._slots:  # opened by a concurrent call meanwhile
+            await ctx.settle(ctx.store.free(local), "free blocks of a duplicate transfer")
+            raise ConflictError(f"transfer {transfer_id!r} is already open", code="kv_duplicate")
+        slot = _ReceiveSlot(peer.engine_id, local, BlockSink(ctx.store.kv_cache, local, ctx.geometry),
+                     asyncio.get_running_loop().create_future())
+        self._slots[transfer_id] = slot
+        try:
+            done = await self._await_prefill(transfer_id, prefill_address, num_tokens, slot)
+        except BaseException as exc:
+            self._slots.pop(transfer_id, None)  # close first: no write may land after the free
+            ctx.metrics.failed(self.mode, exc.code if isinstance(exc, ApiError) else type(exc).__name__)
+            if not isinstance(exc, PeerError) or exc.code != "kv_push_aborted":
+                ctx.detach(self._notify_abort(prefill_address, transfer_id, str(exc)),
+                           "push abort to prefill")
+            await ctx.settle(ctx.store.free(local), "free pushed-into blocks")
+            raise
+        self._slots.pop(transfer_id, None)
+        seconds = time.perf_counter() - start
+        ctx.metrics.observe(self.mode, "receive", seconds, slot.sink.num_bytes)
+        return PulledKV(local, num_tokens, done.first_token, slot.sink.num_bytes, seconds)
+
+    async def _await_prefill(self, transfer_id: str, address: str, num_tokens: int,
+                             slot: _ReceiveSlot) -> PushComplete:
+        ctx = self.ctx
+        node = ctx.identity.node
+        reg = PushRegister(node.engine_id, transfer_id, slot.block_ids, num_tokens,
+                           node.kv_host, node.kv_port)
+        await ctx.peers.call(address, "/kv/v1/push/register", reg, Ack)
+        done = await self._wait_done(transfer_id, slot)
+        if done.num_tokens != num_tokens:
+            raise ConflictError(f"prefill pushed {done.num_tokens} tokens, expected {num_tokens}",
+                                code="kv_push_shape_mismatch")
+        slot.sink.verify(done.digests)
+        return done
+
+    async def _wait_done(self, transfer_id: str, slot: _ReceiveSlot) -> PushComplete:
+        """The completion, or 504 once the prefill was quiet for the whole push deadline."""
+        deadline, clock = self.ctx.config.push_deadline_seconds, time.monotonic
+        slot.last_write = clock()
+        while True:
+            left = slot.last_write + deadline - clock()
+            if left <= 0:
+                raise GatewayTimeoutError(
+                    f"transfer {transfer_id!r}: the prefill sent nothing for {deadline:.1f}s "
+                    "(no block, no completion); pre-allocated blocks freed",
+                    code="kv_push_deadline")
+            try:
+                return await asyncio.wait_for(asyncio.shield(slot.done), left)
+            except TimeoutError:
+                continue  # a write may have moved the deadline meanwhile
+
+    def decline(self, transfer_id: str, prefill_address: str, prefill_engine_id: str | None,
+                reason: str) -> None:
+        """The decode leg failed before `receive`: fail the prefill's wait for a registration."""
+        self.ctx.detach(self._decline(transfer_id, prefill_address, prefill_engine_id, reason),
+                        "decline push receive")
+
+    async def _decline(self, transfer_id: str, address: str, engine_id: str | None,
+                       reason: str) -> None:
+        await self.ctx.peers.connect(address, engine_id)
+        await self._notify_abort(address, transfer_id, reason)
+
+    async def _notify_abort(self, address: str, transfer_id: str, reason: str) -> None:
+        msg = PushAbort(self.ctx.identity.node.engine_id, transfer_id, reason[:500])
+        await self.ctx.peers.call(address, "/kv/v1/push/abort", msg, Ack)
+
+    @property
+    def held_blocks(self) -> int:
+        return sum(len(s.block_ids) for s in self._slots.values())
+
+
+# ---- the mode ----------------------------------------------------------------------------
+
+
+class PushTransfer(KVTransfer):
+    """Push mode: both sides exist in every worker of this mode, the role decides which one
+    is used: `prefill` (a `PushPrefill`: open, send, decline) and `decode` (a `PushDecode`:
+    receive, decline). Callers use the sides directly."""
+
+    mode: ClassVar[str] = "push"
+
+    def __init__(self, ctx: KVContext) -> None:
+        super().__init__(ctx)
+        self.prefill = PushPrefill(ctx, self.mode)
+        self.decode = PushDecode(ctx, self.mode)
+
+    def on_abort(self, msg: PushAbort) -> Ack:
+        """The other leg gave up: a decode's abort fails the prefill's registration (or its
+        wait for one); a prefill's abort fails the decode's open slot."""
+        if self.ctx.identity.node.role == "prefill":
+            return self.prefill.abort(msg)
+        return self.decode.abort(msg)
+
+    def reap(self) -> None:
+        self.prefill.registrations.reap()
+
+    async def close(self) -> None:
+        # Senders (and declines) waiting for a registration give up now, not at the deadline.
+        self.prefill.registrations.close(GoneError("the KV service is shutting down",
+                                                   code="kv_shutting_down"))
+        streams = list(self.prefill.streams.values())
+        for stream in streams:  # each tells its decode (when registered) before we drain
+            stream.abort("the KV service is shutting down")
+        if streams:  # bounded: a stream still waiting for a registration may not see close
+            await asyncio.wait([s.task for s in streams], timeout=5.0)
+
+    @property
+    def held_blocks(self) -> int:
+        return self.prefill.held_blocks + self.decode.held_blocks

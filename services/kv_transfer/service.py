@@ -18,13 +18,14 @@ from collections.abc import Callable
 import aiohttp
 from prometheus_client import CollectorRegistry
 
+from services.common.errors import ConflictError
 from services.kv_transfer.config import KVTransferConfig
-from services.kv_transfer.pairing import KVIdentity, PeerRegistry
+from services.kv_transfer.context import KVContext, KVTransfer, KVTransferMetrics
+from services.kv_transfer.handshake import KVIdentity, PeerRegistry
 from services.kv_transfer.peers import PeerClient
 from services.kv_transfer.pull import PullTransfer
 from services.kv_transfer.push import PushTransfer
-from services.kv_transfer.store import KVBlockStore, KVGeometry
-from services.kv_transfer.transfer import KVContext, KVTransfer, KVTransferMetrics
+from services.kv_transfer.store import CacheBlocks, KVBlockStore
 from shared.protocol.compat import CompatFactors, ModelKVSpec
 from shared.protocol.messages import NodeInfo
 
@@ -32,8 +33,9 @@ log = logging.getLogger("pdmesh.kv_transfer")
 TRANSFER_CLASSES: dict[str, type[KVTransfer]] = {c.mode: c for c in (PullTransfer, PushTransfer)}
 
 
-def _check_spec(spec: ModelKVSpec, geo: KVGeometry, config: KVTransferConfig) -> int:
+def _check_spec(spec: ModelKVSpec, cache: CacheBlocks, config: KVTransferConfig) -> int:
     """The cache tensor must match what the hash claims; returns the stage's layer end."""
+    geo = cache.geometry
     layer_end = config.layer_end if config.layer_end is not None else spec.num_layers
     if layer_end - config.layer_start != geo.num_layers:
         raise ValueError(f"KV cache has {geo.num_layers} layers, config says "
@@ -41,8 +43,9 @@ def _check_spec(spec: ModelKVSpec, geo: KVGeometry, config: KVTransferConfig) ->
     if (spec.num_kv_heads, spec.head_dim) != (geo.num_kv_heads, geo.head_dim):
         raise ValueError(f"KV cache heads/dim {geo.num_kv_heads}/{geo.head_dim} differ from the "
                          f"model's {spec.num_kv_heads}/{spec.head_dim}")
-    if spec.kv_dtype != geo.dtype:
-        raise ValueError(f"KV cache dtype {geo.dtype} differs from the spec's {spec.kv_dtype}")
+    if spec.kv_dtype != cache.dtype_name:
+        raise ValueError(f"KV cache dtype {cache.dtype_name} differs from the spec's "
+                         f"{spec.kv_dtype}")
     return layer_end
 
 
@@ -55,6 +58,11 @@ def stage_ranges_of(start: int, partition: tuple[int, ...] | None) -> tuple[tupl
     return tuple(ranges)
 
 
+def _mode_mismatch(runs: str, wanted: str) -> ConflictError:
+    return ConflictError(f"this KV service runs {runs} mode, not {wanted}",
+                         param="transfer_mode", code="kv_transfer_mode_mismatch")
+
+
 class KVTransferService:
     """The KV service of one worker. `transfer` is the mode's class instance; `pull`/`push`
     give it typed (and fail loudly when the worker runs the other mode)."""
@@ -62,7 +70,7 @@ class KVTransferService:
     def __init__(self, config: KVTransferConfig, spec: ModelKVSpec, store: KVBlockStore,
                  registry: CollectorRegistry, clock: Callable[[], float] = time.monotonic) -> None:
         transfer_cls = TRANSFER_CLASSES[config.mode]
-        geo = KVGeometry.of(store.kv_cache)
+        geo = CacheBlocks.of(store.kv_cache)
         layer_end = _check_spec(spec, geo, config)
         node = NodeInfo(config.engine_id, config.role, transfer_cls.mode, geo.block_size,
                         geo.num_blocks, config.layer_start, layer_end, config.pp_size,
@@ -83,14 +91,17 @@ class KVTransferService:
 
     @property
     def pull(self) -> PullTransfer:
+        """The pull mode; 409 `kv_transfer_mode_mismatch` when this service runs push (the
+        one check for a peer's pull route and for the worker's own calls)."""
         if not isinstance(self.transfer, PullTransfer):
-            raise RuntimeError(f"this worker runs KV mode {self.transfer.mode!r}, not pull")
+            raise _mode_mismatch(self.transfer.mode, "pull")
         return self.transfer
 
     @property
     def push(self) -> PushTransfer:
+        """The push mode; 409 `kv_transfer_mode_mismatch` when this service runs pull."""
         if not isinstance(self.transfer, PushTransfer):
-            raise RuntimeError(f"this worker runs KV mode {self.transfer.mode!r}, not push")
+            raise _mode_mismatch(self.transfer.mode, "push")
         return self.transfer
 
     def release_held_soon(self, request_id: str) -> None:

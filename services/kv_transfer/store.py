@@ -23,7 +23,8 @@ from typing import Protocol
 import torch
 
 from shared.engine.kv_connector import AsyncKVConnector, KVCacheView
-from shared.protocol.tensors import Box, dtype_name, torch_dtype
+from shared.engine.runner import KVGeometry
+from shared.protocol.tensors import Box, dtype_name
 
 
 class KVBlockStore(Protocol):
@@ -48,35 +49,45 @@ class KVBlockStore(Protocol):
 
 
 @dataclass(frozen=True)
-class KVGeometry:
-    """Shape facts of a cache tensor (derived from it, never configured separately)."""
+class CacheBlocks:
+    """A cache tensor as the KV service moves it: the engine's `KVGeometry` (what one block
+    holds) and how many blocks the tensor has. Derived from the tensor, never configured
+    separately, so it cannot disagree with the cache it describes."""
 
-    num_layers: int
+    geometry: KVGeometry
     num_blocks: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
 
     @staticmethod
-    def of(kv_cache: torch.Tensor) -> KVGeometry:
+    def of(kv_cache: torch.Tensor) -> CacheBlocks:
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(f"not a [L, 2, N, bs, kvh, hd] KV cache: {tuple(kv_cache.shape)}")
         layers, _, blocks, bs, kvh, hd = kv_cache.shape
-        return KVGeometry(layers, blocks, bs, kvh, hd, dtype_name(kv_cache.dtype))
+        geometry = KVGeometry(num_layers=layers, num_kv_heads=kvh, head_dim=hd, block_size=bs,
+                              dtype=kv_cache.dtype)
+        return CacheBlocks(geometry, blocks)
+
+    @property
+    def block_size(self) -> int:
+        return self.geometry.block_size
+
+    @property
+    def dtype_name(self) -> str:
+        """The cache dtype as the wire names it (TensorChunk.dtype, ModelKVSpec.kv_dtype)."""
+        return dtype_name(self.geometry.dtype)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
         """Shape of one block in the block-major view: [L, 2, bs, kvh, hd]."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        g = self.geometry
+        return (g.num_layers, 2, g.block_size, g.num_kv_heads, g.head_dim)
 
     @property
     def itemsize(self) -> int:
-        return torch_dtype(self.dtype).itemsize
+        return self.geometry.dtype.itemsize
 
     @property
     def block_bytes(self) -> int:
-        return math.prod(self.block_shape) * self.itemsize
+        return self.geometry.bytes_per_block
 
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
@@ -137,8 +148,8 @@ class InMemoryBlockStore:
         return self._kv
 
     @property
-    def geometry(self) -> KVGeometry:
-        return KVGeometry.of(self._kv)
+    def geometry(self) -> CacheBlocks:
+        return CacheBlocks.of(self._kv)
 
     @property
     def blocks_in_use(self) -> int:

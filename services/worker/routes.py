@@ -52,11 +52,11 @@ async def kv_transfer_abort(request: web.Request) -> web.Response:
     """POST /v1/kv_transfer/abort {"kv_transfer_params": <what this prefill returned>}: the
     client left between the legs, so the dispatcher frees the prefill's lease now."""
     body = await read_json_object(request)
-    handoff = _service(request).handoff
-    if handoff is None:
+    pd_legs = _service(request).pd_legs
+    if pd_legs is None:
         raise BadRequestError("this worker has no KV-transfer service (role mixed)",
                               code="kv_wrong_role")
-    return json_response({"released": handoff.abort_offer(body.get("kv_transfer_params"))})
+    return json_response({"released": pd_legs.abort_offer(body.get("kv_transfer_params"))})
 
 
 async def list_models(request: web.Request) -> web.Response:

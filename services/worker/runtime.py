@@ -23,8 +23,8 @@ from services.worker.admission import AdmissionControl
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient, EngineFactory
 from services.worker.generation import ENGINE_FAILED
-from services.worker.handoff import Handoff
 from services.worker.metrics import WorkerMetrics
+from services.worker.pd_legs import PDLegs
 from services.worker.serving import GenerationService
 
 if TYPE_CHECKING:
@@ -57,14 +57,14 @@ class WorkerRuntime:
         self._owned = engine
         await engine.start()  # loads off the event loop and runs the engine's warm-up step
         engine.add_failure_listener(lambda reason: self._engine_failed(lifecycle, reason))
-        handoff = None
+        pd_legs = None
         if self.config.kv is not None:
             from services.worker.kv_link import KVLink  # torch: prefill/decode workers only
 
             self.kv_link = await KVLink.start(self.config, engine, self.metrics.registry)
-            handoff = Handoff(engine, self.kv_link, self.config)
+            pd_legs = PDLegs(engine, self.kv_link, self.config)
         self.engine = engine
-        self.service = GenerationService(engine, self.config, self.metrics, self.admission, handoff)
+        self.service = GenerationService(engine, self.config, self.metrics, self.admission, pd_legs)
         lifecycle.mark_ready()
         log.info("model %s ready (max_model_len %d)", self.config.engine.model, engine.max_model_len)
 

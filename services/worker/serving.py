@@ -10,7 +10,7 @@ On a prefill or decode worker a request may be a P/D leg (`kv_transfer_params`, 
 `kv_params.py`): the prefill leg runs one token with its KV held and answers the usual body
 plus top-level `kv_transfer_params`; the decode leg loads the KV (before any response byte,
 so a failure is a plain HTTP error) and answers the whole completion, starting with the
-prefill's first token. `Handoff` (handoff.py) does the KV side of both.
+prefill's first token. `PDLegs` (pd_legs.py) does the KV side of both.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from services.worker.generation import (
     PreparedPrompt,
     running_choices,
 )
-from services.worker.handoff import Handoff, LegState, wire_logprob
 from services.worker.kv_params import parse_kv_transfer_params
 from services.worker.logprobs import LogprobFormatter
 from services.worker.metrics import ChoiceTimer, WorkerMetrics
@@ -48,6 +47,7 @@ from services.worker.openai_protocol import (
     CompletionRequest,
     SamplingFields,
 )
+from services.worker.pd_legs import LegState, PDLegs, wire_logprob
 from services.worker.prompts import PromptBuilder
 from services.worker.responses import ResponseBuilder, ResponseSpec
 from services.worker.streaming import SseWriter
@@ -65,12 +65,12 @@ class GenerationService:
     """The completions and chat endpoints' logic, bound to one loaded engine."""
 
     def __init__(self, engine: EngineClient, config: WorkerConfig, metrics: WorkerMetrics,
-                 admission: AdmissionControl, handoff: Handoff | None = None) -> None:
+                 admission: AdmissionControl, pd_legs: PDLegs | None = None) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics
         self.admission = admission
-        self.handoff = handoff  # None on a mixed worker, which ignores kv_transfer_params
+        self.pd_legs = pd_legs  # None on a mixed worker, which ignores kv_transfer_params
         self.prompts = PromptBuilder(engine)
         self.formatter = LogprobFormatter(engine.tokenizer)
         self.system_fingerprint = f"pdmesh-{engine.fingerprint[:16]}"
@@ -93,7 +93,7 @@ class GenerationService:
         frees the leg's resources on both sides at once: a decode that refuses a request
         still releases the prefill's lease.
         """
-        if self.handoff is None:
+        if self.pd_legs is None:
             yield None
             return
         leg = parse_kv_transfer_params(body.get("kv_transfer_params"))
@@ -101,14 +101,14 @@ class GenerationService:
             yield None
             return
         state = LegState(leg)
-        self.handoff.arrive(state)
+        self.pd_legs.arrive(state)
         try:
             yield state
         except BaseException as exc:
-            self.handoff.abandon(state, str(exc) or type(exc).__name__)
+            self.pd_legs.abandon(state, str(exc) or type(exc).__name__)
             raise
         finally:
-            self.handoff.leave(state)
+            self.pd_legs.leave(state)
 
     @staticmethod
     def _leg_sampling(leg: LegState | None, sampling: SamplingFields,
@@ -170,10 +170,10 @@ class GenerationService:
                        stream: bool, arrival: float, leg: LegState | None) -> web.StreamResponse:
         kv: KVRequestOptions | None = None
         if leg is not None:
-            assert self.handoff is not None
-            self.handoff.check(leg.leg, len(jobs), stream)
+            assert self.pd_legs is not None
+            self.pd_legs.check(leg.leg, len(jobs), stream)
             leg.request_id = jobs[0].engine_request_id
-            kv = self.handoff.engine_options(leg, len(spec.prompts[0].token_ids))
+            kv = self.pd_legs.engine_options(leg, len(spec.prompts[0].token_ids))
         with self.admission.admit(len(jobs)):
             states = {job.index: ChoiceState(job) for job in jobs}
             timers = {job.index: ChoiceTimer(self.metrics, arrival,
@@ -184,8 +184,8 @@ class GenerationService:
             try:
                 async with running_choices(self.engine, jobs, spec.prompts, kv) as events:
                     if leg is not None and not leg.is_prefill:
-                        assert self.handoff is not None
-                        load = await self.handoff.load(leg, spec.prompts[0].token_ids,
+                        assert self.pd_legs is not None
+                        load = await self.pd_legs.load(leg, spec.prompts[0].token_ids,
                                                        jobs[0].params.logprobs is not None)
                         headers[PHASES_HEADER] = dumps(load.phases())
                     if stream:
@@ -193,21 +193,21 @@ class GenerationService:
                     await self._collect(request, events, states, timers)
                 body = builder.full_body(list(states.values()))
                 if leg is not None and leg.is_prefill:
-                    await self._hand_off(leg, spec, states[0], body)
+                    await self._export_kv(leg, spec, states[0], body)
                 return json_response(body, headers=headers)
             finally:
                 for timer in timers.values():
                     timer.abandoned()
 
-    async def _hand_off(self, leg: LegState, spec: ResponseSpec, state: ChoiceState,
+    async def _export_kv(self, leg: LegState, spec: ResponseSpec, state: ChoiceState,
                         body: dict[str, Any]) -> None:
         """Prefill leg: hand the held KV off; `body` gains `kv_transfer_params` and the
         prefix-cache hits the router reports as cached tokens."""
-        assert self.handoff is not None
+        assert self.pd_legs is not None
         if not state.token_ids:
             raise InternalServerError("the prefill produced no first token", code="kv_no_token")
         first = wire_logprob(state.logprobs[0] if state.logprobs else None, state.token_ids[0])
-        body["kv_transfer_params"] = await self.handoff.hand_off(leg, spec.prompts[0].token_ids,
+        body["kv_transfer_params"] = await self.pd_legs.export_kv(leg, spec.prompts[0].token_ids,
                                                                  first)
         body["usage"]["prompt_tokens_details"] = {"cached_tokens": state.num_cached_tokens}
 

@@ -38,6 +38,6 @@ def test_invalid_settings_raise(bad: dict) -> None:
 async def test_signed_pull_end_to_end(nodes) -> None:
     p, d = await nodes("prefill", secret=SECRET), await nodes("decode", secret=SECRET)
     ids = await prefill_request(p, "r", 20)
-    params = await p.service.pull.offer("r", ids, 20, FIRST)
-    kv = await d.service.pull.fetch(params)
+    params = await p.service.pull.prefill.offer("r", ids, 20, FIRST)
+    kv = await d.service.pull.decode.fetch(params)
     assert kv.num_tokens == 20 and len(kv.block_ids) == len(ids)

@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry
 
 from services.kv_transfer.app import start_server
 from services.kv_transfer.config import KVTransferConfig
+from services.kv_transfer.context import PulledKV
 from services.kv_transfer.service import KVTransferService
 from services.kv_transfer.store import EngineBlockStore
-from services.kv_transfer.transfer import PulledKV
 from shared.config import EngineConfig
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.kv_connector import AdoptOutcome, KVRequestOptions
@@ -101,8 +101,8 @@ async def test_pull_pd_equals_mixed(workers) -> None:
     p, d = await workers("prefill", "pull"), await workers("decode", "pull")
     mixed = await p.run("mixed", 8)
     first, held = await prefill(p, "req")
-    params = await p.service.pull.offer("req", held, len(PROMPT), TokenLogprobWire(first))
-    kv = await d.service.pull.fetch(params)
+    params = await p.service.pull.prefill.offer("req", held, len(PROMPT), TokenLogprobWire(first))
+    kv = await d.service.pull.decode.fetch(params)
     tokens = await d.decode("req", 8, kv)
     assert tokens == mixed
     await asyncio.gather(p.service.ctx.drain(), d.service.ctx.drain())
@@ -113,10 +113,10 @@ async def test_pull_pd_equals_mixed(workers) -> None:
 async def test_push_pd_equals_mixed(workers) -> None:
     p, d = await workers("prefill", "push"), await workers("decode", "push")
     mixed = await d.run("mixed", 8)
-    receive = asyncio.ensure_future(d.service.push.receive("t1", p.service.identity.node.address,
+    receive = asyncio.ensure_future(d.service.push.decode.receive("t1", p.service.identity.node.address,
                                                            len(PROMPT)))
     first, held = await prefill(p, "req")
-    await p.service.push.send("t1", "req", held, len(PROMPT), TokenLogprobWire(first))
+    await p.service.push.prefill.send("t1", "req", held, len(PROMPT), TokenLogprobWire(first))
     kv = await receive
     tokens = await d.decode("req", 8, kv)
     assert tokens == mixed

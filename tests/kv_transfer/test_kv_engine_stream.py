@@ -103,8 +103,8 @@ async def test_push_writes_blocks_into_the_decode_while_the_prompt_computes(
     d_store = InMemoryBlockStore(geo[0], 64, geo[3], geo[4], geo[5], engine.runner.kv_cache.dtype)
     p, d = await start(DirectStore(engine), spec, "prefill"), await start(d_store, spec, "decode")
     try:
-        stream = p.service.push.open("t", len(PROMPT))
-        receive = asyncio.ensure_future(d.service.push.receive("t", p.address, len(PROMPT)))
+        stream = p.service.push.prefill.open("t", len(PROMPT))
+        receive = asyncio.ensure_future(d.service.push.decode.receive("t", p.address, len(PROMPT)))
         engine.add_request("r", PROMPT, ONE_TOKEN, hold_kv=True, stream_kv=True)
         log: list[tuple[int, bool, int]] = []  # (step, prompt finished, blocks at the decode)
         outputs = []
@@ -128,7 +128,7 @@ async def test_push_writes_blocks_into_the_decode_while_the_prompt_computes(
         assert not receive.done()
         held = engine.held_block_ids("r")
         first = TokenLogprobWire(outputs[-1].token_ids[0])
-        await p.service.push.send("t", "r", held, len(PROMPT), first, stream=stream)
+        await p.service.push.prefill.send("t", "r", held, len(PROMPT), first, stream=stream)
         kv = await receive
         # Written early: everything the unfinished steps computed; late: the last step's.
         early = unfinished[-1][2]
@@ -161,12 +161,12 @@ async def test_async_engine_delivers_progress_and_reaps_leases_every_step(
             first = out.token_ids[0] if out.finished else None
         held = await connector.held_block_ids("held")
         assert [len(r.block_ids) for r in reports][-1] == 8 and held is not None
-        await service.pull.offer("held", held, len(PROMPT), TokenLogprobWire(first or 0))
+        await service.pull.prefill.offer("held", held, len(PROMPT), TokenLogprobWire(first or 0))
         now[0] = 1000.0  # the lease ran out; no timer runs (the service is not started)
-        assert service.pull.source.leases.status("held").state == "held"  # not reaped yet
+        assert service.pull.prefill.leases.status("held").state == "held"  # not reaped yet
         async for _ in engine.generate("next", PROMPT[:20], ONE_TOKEN):  # engine steps
             pass
-        assert service.pull.source.leases.status("held").state == "expired"
+        assert service.pull.prefill.leases.status("held").state == "expired"
         await service.ctx.drain()
         assert (await engine._run_in_engine(lambda e: e.stats())).num_held_blocks == 0
         detach()

@@ -8,9 +8,8 @@ import msgpack
 import pytest
 from kv_helpers import SECRET, post_raw, small_spec
 
-from services.kv_transfer.errors import ApiError, ConflictError
-from services.kv_transfer.handshake import check_layer_coverage, layer_coverage
-from services.kv_transfer.pairing import KVIdentity, sign
+from services.common.errors import ApiError, ConflictError
+from services.kv_transfer.handshake import KVIdentity, check_layer_coverage, layer_coverage, sign
 from services.kv_transfer.pull import PullTransfer
 from shared.protocol.codec import KV_PROTOCOL_VERSION, seal, to_fields
 from shared.protocol.compat import CompatFactors

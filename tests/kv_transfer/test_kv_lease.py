@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.kv_transfer.errors import GoneError, NotFoundError
+from services.common.errors import GoneError, NotFoundError
 from services.kv_transfer.lease import LeaseState, LeaseTable
 from shared.protocol.messages import LeaseRef
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from kv_helpers import FIRST, Node, blocks_of, prefill_request, small_spec
 
-from services.kv_transfer import blocks
-from services.kv_transfer.blocks import BlockSink
-from services.kv_transfer.errors import ApiError
+from services.common.errors import ApiError
+from services.kv_transfer import codec
+from services.kv_transfer.codec import BlockSink
 from shared.protocol.codec import FrameReader
 from shared.protocol.messages import KVTransferParams
 
@@ -38,12 +38,12 @@ async def assert_no_leaks(*nodes: Node) -> None:
 async def offered(p: Node, request_id: str = "r1", num_tokens: int = 37
                   ) -> tuple[KVTransferParams, list[int]]:
     ids = await prefill_request(p, request_id, num_tokens, seed=hash(request_id) % 1000)
-    return await p.service.pull.offer(request_id, ids, num_tokens, FIRST), ids
+    return await p.service.pull.prefill.offer(request_id, ids, num_tokens, FIRST), ids
 
 
 async def failing_fetch(d: Node, params: KVTransferParams, status: int, code: str) -> ApiError:
     with pytest.raises(ApiError) as err:
-        await d.service.pull.fetch(params)
+        await d.service.pull.decode.fetch(params)
     assert (err.value.status, err.value.code) == (status, code), err.value.message
     return err.value
 
@@ -59,7 +59,7 @@ async def test_pull_is_bit_identical_and_releases_both_sides(nodes, geometry) ->
     num_tokens = 300 if "spec" in geometry else 37
     params, ids = await offered(p, num_tokens=num_tokens)
     assert p.metric("pdmesh:kv_held_blocks") == len(ids)
-    kv = await d.service.pull.fetch(params)
+    kv = await d.service.pull.decode.fetch(params)
     assert same_bits(blocks_of(p, ids), blocks_of(d, kv.block_ids))
     assert (kv.num_tokens, kv.first_token) == (num_tokens, FIRST)
     assert kv.num_bytes == len(ids) * p.service.ctx.geometry.block_bytes
@@ -73,7 +73,7 @@ async def test_pull_is_bit_identical_and_releases_both_sides(nodes, geometry) ->
 async def test_concurrent_pulls_share_one_handshake(nodes) -> None:
     p, d = await nodes("prefill"), await nodes("decode")
     offers = [await offered(p, f"r{i}", 10 + 7 * i) for i in range(4)]
-    kvs = await asyncio.gather(*(d.service.pull.fetch(params) for params, _ in offers))
+    kvs = await asyncio.gather(*(d.service.pull.decode.fetch(params) for params, _ in offers))
     for (_, ids), kv in zip(offers, kvs, strict=True):
         assert same_bits(blocks_of(p, ids), blocks_of(d, kv.block_ids))
         await d.store.free(kv.block_ids)
@@ -88,7 +88,7 @@ async def test_unknown_request_id_is_404(nodes) -> None:
                         "kv_lease_unknown")
     assert d.metric("pdmesh:kv_failed_transfers_total",
                     {"mode": "pull", "reason": "kv_lease_unknown"}) == 1
-    p.service.pull.abort("r1")
+    p.service.pull.prefill.abort("r1")
     await assert_no_leaks(p, d)
 
 
@@ -107,17 +107,17 @@ async def test_block_ids_not_matching_the_lease_rejected_by_the_prefill(nodes) -
     other = [b for b in range(p.store.geometry.num_blocks) if b not in ids][: len(ids)]
     bad = dataclasses.replace(params, block_ids=other)
     await failing_fetch(d, bad, 400, "kv_block_ids_mismatch")
-    p.service.pull.abort("r1")  # the decode's release named blocks of no lease: still held
+    p.service.pull.prefill.abort("r1")  # the decode's release named blocks of no lease: still held
     await assert_no_leaks(p, d)
 
 
 async def test_stale_params_after_release_are_410(nodes) -> None:
     p, d = await nodes("prefill"), await nodes("decode")
     params, _ = await offered(p)
-    kv = await d.service.pull.fetch(params)
+    kv = await d.service.pull.decode.fetch(params)
     await d.service.ctx.drain()  # the release goes out in the background
     await failing_fetch(d, params, 410, "kv_lease_released")
-    assert p.service.pull.abort("r1") is False  # abort after a finished transfer: harmless
+    assert p.service.pull.prefill.abort("r1") is False  # abort after a finished transfer: harmless
     await d.store.free(kv.block_ids)
     await assert_no_leaks(p, d)
 
@@ -136,10 +136,10 @@ async def test_heartbeats_keep_a_waiting_lease_alive(nodes) -> None:
     d = await nodes("decode", lease_seconds=1.2)  # heartbeat every 0.2 s, extending by 0.8 s
     tracked, _ = await offered(p, "tracked")
     untracked, _ = await offered(p, "untracked")
-    d.service.pull.track(tracked)  # the decode accepted it; it waits in its queue
+    d.service.pull.decode.track(tracked)  # the decode accepted it; it waits in its queue
     await asyncio.sleep(2.0)
-    kv = await d.service.pull.fetch(tracked)
-    d.service.pull.untrack(tracked)
+    kv = await d.service.pull.decode.fetch(tracked)
+    d.service.pull.decode.untrack(tracked)
     await failing_fetch(d, untracked, 410, "kv_lease_expired")
     await d.store.free(kv.block_ids)
     await assert_no_leaks(p, d)
@@ -153,7 +153,7 @@ async def test_peer_unreachable_is_502(nodes) -> None:
         dead_port = s.getsockname()[1]  # closed when the block ends: nobody listens
     await failing_fetch(d, dataclasses.replace(params, remote_port=dead_port), 502,
                         "kv_peer_unreachable")
-    p.service.pull.abort("r1")
+    p.service.pull.prefill.abort("r1")
     await assert_no_leaks(p, d)
 
 
@@ -176,20 +176,20 @@ async def test_lease_ending_mid_stream_sends_410_not_bytes(nodes, monkeypatch) -
     d = await nodes("decode", max_chunk_bytes=4096)
     params, _ = await offered(p, num_tokens=64)  # 16 KiB: four chunks
     gathers, accepted = [], []
-    real_gather, real_accept = blocks.gather, BlockSink.accept
+    real_gather, real_accept = codec.gather, BlockSink.accept
 
     def gather_then_abort(*args):
         gathers.append(1)
         out = real_gather(*args)
         if len(gathers) == 2:  # e.g. the client disconnected from the prefill leg
-            p.service.pull.abort("r1")
+            p.service.pull.prefill.abort("r1")
         return out
 
     def counting_accept(self, chunk, payload):
         accepted.append(chunk)
         real_accept(self, chunk, payload)
 
-    monkeypatch.setattr(blocks, "gather", gather_then_abort)
+    monkeypatch.setattr(codec, "gather", gather_then_abort)
     monkeypatch.setattr(BlockSink, "accept", counting_accept)
     await failing_fetch(d, params, 410, "kv_lease_released")
     assert len(gathers) == len(accepted) == 2  # no block was read after the lease ended
@@ -210,7 +210,7 @@ async def test_decode_cancelled_mid_pull_frees_and_releases(nodes, monkeypatch) 
         return frames[-1]
 
     monkeypatch.setattr(FrameReader, "next_pieces", read_then_stall)
-    task = asyncio.ensure_future(d.service.pull.fetch(params))
+    task = asyncio.ensure_future(d.service.pull.decode.fetch(params))
     await stalled.wait()
     assert d.store.blocks_in_use == 16
     task.cancel()  # the decode request is aborted mid-transfer

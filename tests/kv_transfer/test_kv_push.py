@@ -9,7 +9,7 @@ import pytest
 from kv_helpers import FIRST, Node, blocks_of, prefill_request, small_spec
 from test_kv_pull import assert_no_leaks, same_bits
 
-from services.kv_transfer.errors import ApiError
+from services.common.errors import ApiError
 from services.kv_transfer.push import Rendezvous
 
 BIG = {"spec": small_spec(num_layers=4, num_kv_heads=4, head_dim=64), "block_size": 16,
@@ -33,11 +33,11 @@ async def test_push_in_either_arrival_order(nodes, options, decode_first: bool) 
     p, d = await pair(nodes, **options)
     ids = await prefill_request(p, "req", 45)
     expected = blocks_of(p, ids)
-    send = lambda: p.service.push.send("t1", "req", ids, 45, FIRST)  # noqa: E731
-    receive = lambda: d.service.push.receive("t1", p.address, 45)  # noqa: E731
+    send = lambda: p.service.push.prefill.send("t1", "req", ids, 45, FIRST)  # noqa: E731
+    receive = lambda: d.service.push.decode.receive("t1", p.address, 45)  # noqa: E731
     first = asyncio.ensure_future(receive() if decode_first else send())
     # The first leg is at the prefill's rendezvous: a registration, or a sender waiting.
-    await wait_until(lambda: len(p.service.push.sender.registrations) == 1)
+    await wait_until(lambda: len(p.service.push.prefill.registrations) == 1)
     assert not first.done()
     second = await (send() if decode_first else receive())
     kv = await first if decode_first else second
@@ -54,7 +54,7 @@ async def test_deadline_frees_decode_blocks_when_prefill_never_reports(nodes) ->
     d = await nodes("decode", "push", push_deadline_seconds=0.3)
     start = time.monotonic()
     with pytest.raises(ApiError) as err:
-        await d.service.push.receive("lost", p.address, 45)
+        await d.service.push.decode.receive("lost", p.address, 45)
     assert (err.value.status, err.value.code) == (504, "kv_push_deadline")
     assert time.monotonic() - start < 2.0
     await assert_no_leaks(p, d)
@@ -62,7 +62,7 @@ async def test_deadline_frees_decode_blocks_when_prefill_never_reports(nodes) ->
     ids = await prefill_request(p, "late", 45)
     start = time.monotonic()
     with pytest.raises(ApiError) as err:
-        await p.service.push.send("lost", "late", ids, 45, FIRST)
+        await p.service.push.prefill.send("lost", "late", ids, 45, FIRST)
     assert err.value.code == "kv_push_aborted" and time.monotonic() - start < 5.0
     await assert_no_leaks(p, d)
 
@@ -71,15 +71,15 @@ async def test_prefill_without_registration_releases_its_blocks(nodes) -> None:
     p, d = await pair(nodes, push_deadline_seconds=0.3)
     ids = await prefill_request(p, "req", 45)
     with pytest.raises(ApiError) as err:
-        await p.service.push.send("nobody", "req", ids, 45, FIRST)
+        await p.service.push.prefill.send("nobody", "req", ids, 45, FIRST)
     assert (err.value.status, err.value.code) == (504, "kv_push_deadline")
     await assert_no_leaks(p, d)
 
 
 async def test_decode_cancelled_while_waiting_frees_and_tells_prefill(nodes) -> None:
     p, d = await pair(nodes)
-    task = asyncio.ensure_future(d.service.push.receive("t", p.address, 45))
-    await wait_until(lambda: len(p.service.push.sender.registrations) == 1)  # registered
+    task = asyncio.ensure_future(d.service.push.decode.receive("t", p.address, 45))
+    await wait_until(lambda: len(p.service.push.prefill.registrations) == 1)  # registered
     assert d.store.blocks_in_use == 12 and d.service.transfer.held_blocks == 12
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -87,7 +87,7 @@ async def test_decode_cancelled_while_waiting_frees_and_tells_prefill(nodes) -> 
     await assert_no_leaks(p, d)
     ids = await prefill_request(p, "req", 45)
     with pytest.raises(ApiError) as err:
-        await p.service.push.send("t", "req", ids, 45, FIRST)
+        await p.service.push.prefill.send("t", "req", ids, 45, FIRST)
     assert err.value.code == "kv_push_aborted"
     await assert_no_leaks(p, d)
 
@@ -95,9 +95,9 @@ async def test_decode_cancelled_while_waiting_frees_and_tells_prefill(nodes) -> 
 async def test_shape_mismatch_fails_both_legs(nodes) -> None:
     p, d = await pair(nodes)
     ids = await prefill_request(p, "req", 45)
-    receive = asyncio.ensure_future(d.service.push.receive("t", p.address, 30))
+    receive = asyncio.ensure_future(d.service.push.decode.receive("t", p.address, 30))
     with pytest.raises(ApiError) as err:
-        await p.service.push.send("t", "req", ids, 45, FIRST)
+        await p.service.push.prefill.send("t", "req", ids, 45, FIRST)
     assert err.value.code == "kv_push_shape_mismatch"
     with pytest.raises(ApiError) as err:
         await receive
@@ -108,7 +108,7 @@ async def test_shape_mismatch_fails_both_legs(nodes) -> None:
 async def test_push_decode_cannot_pair_with_pull_prefill(nodes) -> None:
     p, d = await nodes("prefill", "pull"), await nodes("decode", "push")
     with pytest.raises(ApiError) as err:
-        await d.service.push.receive("t", p.address, 45)
+        await d.service.push.decode.receive("t", p.address, 45)
     assert err.value.status == 409 and "transfer_mode" in err.value.message
     await assert_no_leaks(p, d)
 

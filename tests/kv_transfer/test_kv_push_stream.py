@@ -16,7 +16,7 @@ from kv_helpers import FIRST, Node, blocks_of, prefill_request
 from test_kv_pull import assert_no_leaks, same_bits
 from test_kv_push import BIG, pair
 
-from services.kv_transfer.errors import ApiError
+from services.common.errors import ApiError
 from services.kv_transfer.store import block_major
 from shared.engine.kv_stream import KVProgress
 
@@ -24,8 +24,8 @@ TOKENS = 45  # 12 blocks of 4 tokens, the last one partial
 
 
 async def opened(p: Node, d: Node, transfer_id: str = "t"):
-    stream = p.service.push.open(transfer_id, TOKENS)
-    receive = asyncio.ensure_future(d.service.push.receive(transfer_id, p.address, TOKENS))
+    stream = p.service.push.prefill.open(transfer_id, TOKENS)
+    receive = asyncio.ensure_future(d.service.push.decode.receive(transfer_id, p.address, TOKENS))
     return stream, receive
 
 
@@ -57,7 +57,7 @@ async def test_reported_blocks_land_in_the_decode_before_finish(nodes, options) 
         await stream.flushed()
         assert same_bits(decode_rows(d, stream, full), blocks_of(p, ids[:full]))
     assert not receive.done()  # nothing completes before the prompt is finished
-    nbytes = await p.service.push.send("t", "req", ids, TOKENS, FIRST, stream=stream)
+    nbytes = await p.service.push.prefill.send("t", "req", ids, TOKENS, FIRST, stream=stream)
     kv = await receive
     assert same_bits(blocks_of(d, kv.block_ids), blocks_of(p, ids))
     assert (stream.stats.early_blocks, stream.stats.late_blocks) == (n - 1, 1)
@@ -83,7 +83,7 @@ async def test_new_epoch_rewrites_everything(nodes, final_report: str) -> None:
     report = tuple(ids[:5]) if final_report == "blocks" else ()
     stream.feed(KVProgress("req", report, 1))
     await stream.flushed()
-    await p.service.push.send("t", "req", ids, TOKENS, FIRST, stream=stream)
+    await p.service.push.prefill.send("t", "req", ids, TOKENS, FIRST, stream=stream)
     kv = await receive
     assert same_bits(blocks_of(d, kv.block_ids), final)
     assert stream.stats.restarts == 1
@@ -99,7 +99,7 @@ async def test_held_blocks_other_than_those_written_are_rewritten(nodes) -> None
     stream.feed(KVProgress("req", tuple(early[:6]), 0))
     await stream.flushed()
     await p.store.free(early)
-    await p.service.push.send("t", "req", ids, TOKENS, FIRST, stream=stream)
+    await p.service.push.prefill.send("t", "req", ids, TOKENS, FIRST, stream=stream)
     kv = await receive
     assert same_bits(blocks_of(d, kv.block_ids), blocks_of(p, ids))
     assert stream.stats.restarts == 1
@@ -117,7 +117,7 @@ async def test_prefill_abort_mid_stream_frees_both_sides(nodes) -> None:
         await stream.task
     await p.store.release_held("req")  # the engine's abort path releases the held blocks
     await assert_no_leaks(p, d)
-    assert p.service.push.sender.streams == {}
+    assert p.service.push.prefill.streams == {}
 
 
 async def test_decode_abort_mid_stream_ends_the_stream_at_once(nodes) -> None:
@@ -129,14 +129,14 @@ async def test_decode_abort_mid_stream_ends_the_stream_at_once(nodes) -> None:
         await asyncio.wait_for(asyncio.shield(stream.task), 5.0)  # not the push deadline
     assert err.value.code == "kv_push_aborted"
     with pytest.raises(ApiError):  # a late finish fails and still releases the held blocks
-        await p.service.push.send("t", "req", ids, TOKENS, FIRST, stream=stream)
+        await p.service.push.prefill.send("t", "req", ids, TOKENS, FIRST, stream=stream)
     await assert_no_leaks(p, d)
 
 
 async def test_prefill_shutdown_aborts_open_streams(nodes) -> None:
     p, d, ids, stream, receive = await mid_stream(nodes)
     await p.runner.cleanup()  # the prefill's KV service stops with a stream open
-    assert stream.task.done() and p.service.push.sender.streams == {}
+    assert stream.task.done() and p.service.push.prefill.streams == {}
     with pytest.raises(ApiError) as err:
         await asyncio.wait_for(receive, 5.0)  # told at once, not at the push deadline
     assert err.value.code == "kv_push_aborted"
@@ -155,7 +155,7 @@ async def test_decode_deadline_restarts_with_every_write(nodes) -> None:
         await stream.flushed()
         await asyncio.sleep(0.2)
         assert not receive.done()
-    await p.service.push.send("t", "req", ids, TOKENS, FIRST, stream=stream)
+    await p.service.push.prefill.send("t", "req", ids, TOKENS, FIRST, stream=stream)
     kv = await receive
     assert same_bits(blocks_of(d, kv.block_ids), blocks_of(p, ids))
     await d.store.free(kv.block_ids)

@@ -13,7 +13,7 @@ import pytest
 from services.common.errors import ApiError
 from services.kv_transfer.config import KVTransferConfig
 from services.worker.config import WorkerConfig
-from services.worker.handoff import Handoff
+from services.worker.pd_legs import PDLegs
 from shared.protocol.pd import PushDecodeParams, Role
 
 
@@ -48,13 +48,13 @@ async def test_waiting_decode_is_reclaimed_after_the_deadline_not_before() -> No
                           push_deadline_seconds=0.1)
     config = WorkerConfig(role=Role.DECODE, kv=kv)
     push = StalledPush()
-    service = SimpleNamespace(transfer=push, push=push)
+    service = SimpleNamespace(transfer=push, push=SimpleNamespace(decode=push))
     engine = SimpleNamespace(model_config=SimpleNamespace(vocab_size=100), kv_connector=None)
-    handoff = Handoff(engine, SimpleNamespace(service=service), config)  # type: ignore[arg-type]
-    assert handoff.reclaim_s == kv.reclaim_deadline_s
+    pd_legs = PDLegs(engine, SimpleNamespace(service=service), config)  # type: ignore[arg-type]
+    assert pd_legs.reclaim_s == kv.reclaim_deadline_s
     start = time.monotonic()
     with pytest.raises(ApiError) as err:
-        await handoff._transfer(PushDecodeParams("t", "127.0.0.1", 1), 10)
+        await pd_legs._transfer(PushDecodeParams("t", "127.0.0.1", 1), 10)
     waited = time.monotonic() - start
     assert (err.value.status, err.value.code) == (504, "kv_reclaim_deadline")
     assert waited >= kv.lease_seconds and push.cancelled  # the transfer is stopped, not leaked

@@ -11,14 +11,14 @@ import uvloop
 from kv_helpers import FIRST, SECRET, prefill_request, small_spec, start_node
 from test_kv_pull import assert_no_leaks, same_bits
 
-from services.kv_transfer.blocks import (
+from services.kv_transfer.codec import (
     BlockSink,
     BufferPool,
     StagingRing,
     compute_digests,
     iter_chunks,
 )
-from services.kv_transfer.store import KVGeometry, block_major
+from services.kv_transfer.store import CacheBlocks, block_major
 from shared.protocol.codec import EnvelopeReader, FrameReader, frame_header, seal
 from shared.protocol.messages import ReleaseRequest, StreamEnd, TensorChunk
 from shared.protocol.tensors import row_digests
@@ -97,7 +97,7 @@ def plain_rows(kv: torch.Tensor, ids: list[int]) -> torch.Tensor:
 
 def test_chunks_through_a_ring_match_a_plain_gather() -> None:
     kv = random_cache()
-    geo = KVGeometry.of(kv)
+    geo = CacheBlocks.of(kv)
     ids = [9, 2, 5, 11, 0, 7, 3]
     block = geo.block_bytes  # 1.5 KiB: half-block chunks split every block in two
     for max_bytes in (block // 2, 2 * block + 100, 64 * KIB):
@@ -113,7 +113,7 @@ def test_chunks_through_a_ring_match_a_plain_gather() -> None:
 
 def test_digests_through_a_ring_match_row_digests() -> None:
     kv = random_cache()
-    geo = KVGeometry.of(kv)
+    geo = CacheBlocks.of(kv)
     ids = [4, 1, 10, 6]
     want = row_digests(plain_rows(kv, ids))
     for max_bytes in (geo.block_bytes // 3, geo.block_bytes * 3):
@@ -144,11 +144,11 @@ async def transfer_big(mode: str, secret: bytes | None) -> None:
         ids = await prefill_request(p, "req", tokens, seed=3)
         expected = plain_rows(p.store.kv_cache, ids)
         if mode == "pull":
-            params = await p.service.pull.offer("req", ids, tokens, FIRST)
-            kv = await d.service.pull.fetch(params)
+            params = await p.service.pull.prefill.offer("req", ids, tokens, FIRST)
+            kv = await d.service.pull.decode.fetch(params)
         else:
-            kv, _ = await asyncio.gather(d.service.push.receive("t1", p.address, tokens),
-                                         p.service.push.send("t1", "req", ids, tokens, FIRST))
+            kv, _ = await asyncio.gather(d.service.push.decode.receive("t1", p.address, tokens),
+                                         p.service.push.prefill.send("t1", "req", ids, tokens, FIRST))
         assert same_bits(expected, plain_rows(d.store.kv_cache, kv.block_ids))
         await d.store.free(kv.block_ids)
         await assert_no_leaks(p, d)
@@ -170,7 +170,7 @@ def test_sink_places_odd_pieces_like_a_whole_payload() -> None:
     """Chunks arriving in pieces of any size (run and row boundaries inside pieces) land in
     the cache and digest exactly as the same chunks given whole."""
     src = random_cache()
-    geo = KVGeometry.of(src)
+    geo = CacheBlocks.of(src)
     ids, local = [9, 2, 5, 11, 0], [1, 4, 6, 8, 10]
     want = row_digests(plain_rows(src, ids))
     for max_bytes in (geo.block_bytes // 3, 2 * geo.block_bytes + 100, 64 * KIB):

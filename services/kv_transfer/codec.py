@@ -27,18 +27,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.kv_transfer.errors import BadGatewayError
-from services.kv_transfer.store import KVGeometry, gather, scatter
+from services.common.errors import BadGatewayError
+from services.kv_transfer.store import CacheBlocks, gather, scatter
 from shared.protocol.codec import ProtocolError
 from shared.protocol.messages import TensorChunk
 from shared.protocol.tensors import Box, RowDigester, check_box, from_raw, plan_boxes, raw_bytes
 
 
-def request_shape(geometry: KVGeometry, num_blocks: int) -> tuple[int, ...]:
+def request_shape(geometry: CacheBlocks, num_blocks: int) -> tuple[int, ...]:
     return (num_blocks,) + geometry.block_shape
 
 
-def plan(geometry: KVGeometry, num_blocks: int, max_bytes: int) -> list[Box]:
+def plan(geometry: CacheBlocks, num_blocks: int, max_bytes: int) -> list[Box]:
     return list(plan_boxes(request_shape(geometry, num_blocks), geometry.itemsize, max_bytes))
 
 
@@ -51,7 +51,7 @@ class OutChunk:
     payload: memoryview
 
 
-def iter_chunk_headers(geometry: KVGeometry, num_blocks: int, max_bytes: int,
+def iter_chunk_headers(geometry: CacheBlocks, num_blocks: int, max_bytes: int,
                        first_row: int = 0) -> Iterator[TensorChunk]:
     """The headers `iter_chunks` yields, without touching any block (sizes known upfront).
 
@@ -59,7 +59,7 @@ def iter_chunk_headers(geometry: KVGeometry, num_blocks: int, max_bytes: int,
     of the request (a push stream sends a request's blocks in several ranges)."""
     for box in plan(geometry, num_blocks, max_bytes):
         offset = [box.offset[0] + first_row, *box.offset[1:]]
-        yield TensorChunk(geometry.dtype, list(box.shape), offset)
+        yield TensorChunk(geometry.dtype_name, list(box.shape), offset)
 
 
 class BufferPool:
@@ -168,7 +168,7 @@ class StagingRing:
         self._bufs = [None] * len(self._bufs)
 
 
-def iter_chunks(kv_cache: torch.Tensor, block_ids: list[int], geometry: KVGeometry,
+def iter_chunks(kv_cache: torch.Tensor, block_ids: list[int], geometry: CacheBlocks,
                 max_bytes: int, digester: RowDigester | None = None,
                 first_row: int = 0, ring: StagingRing | None = None) -> Iterator[OutChunk]:
     """The chunks of `block_ids` (request rows from `first_row` on) in order, each gathered
@@ -189,7 +189,7 @@ def iter_chunks(kv_cache: torch.Tensor, block_ids: list[int], geometry: KVGeomet
         yield OutChunk(header, data, payload)
 
 
-def compute_digests(kv_cache: torch.Tensor, block_ids: list[int], geometry: KVGeometry,
+def compute_digests(kv_cache: torch.Tensor, block_ids: list[int], geometry: CacheBlocks,
                     max_bytes: int) -> list[str]:
     """Digest of every block, chunk by chunk (bounded memory); fine to run in a thread."""
     digester = RowDigester(len(block_ids), geometry.block_shape, geometry.itemsize)
@@ -210,7 +210,7 @@ class BlockSink:
     digest raises 502.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], geometry: KVGeometry) -> None:
+    def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], geometry: CacheBlocks) -> None:
         self._kv = kv_cache
         self._block_ids = list(block_ids)
         self._ids = torch.tensor(block_ids, dtype=torch.long)
@@ -227,7 +227,7 @@ class BlockSink:
         pieces = payload if isinstance(payload, list) else [memoryview(payload)]
         nbytes = sum(len(p) for p in pieces)
         try:
-            box = check_box(chunk, self._shape, self._geometry.dtype)
+            box = check_box(chunk, self._shape, self._geometry.dtype_name)
             if nbytes != math.prod(chunk.shape) * self._geometry.itemsize:
                 raise ProtocolError(f"payload of {nbytes} bytes does not match "
                                     f"{chunk.dtype}{list(chunk.shape)}")

@@ -18,11 +18,11 @@ from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.kv_transfer.blocks import BufferPool
+from services.kv_transfer.codec import BufferPool
 from services.kv_transfer.config import KVTransferConfig
-from services.kv_transfer.pairing import KVIdentity, PeerRegistry
+from services.kv_transfer.handshake import KVIdentity, PeerRegistry
 from services.kv_transfer.peers import PeerClient
-from services.kv_transfer.store import KVBlockStore, KVGeometry
+from services.kv_transfer.store import CacheBlocks, KVBlockStore
 from shared.protocol.messages import TokenLogprobWire
 
 log = logging.getLogger("pdmesh.kv_transfer")
@@ -51,7 +51,7 @@ class KVContext:
     config: KVTransferConfig
     identity: KVIdentity
     store: KVBlockStore
-    geometry: KVGeometry
+    geometry: CacheBlocks
     metrics: KVTransferMetrics
     registry: PeerRegistry
     clock: Callable[[], float]

@@ -1,8 +1,8 @@
-"""The P/D legs of one worker: handing a finished prompt's KV off, and taking it over.
+"""The P/D legs of one worker: exporting a finished prompt's KV, and taking it over.
 
 Prefill leg: the engine runs the request with `KVRequestOptions.hold()` (max_tokens 1), so its
-blocks outlive it; `hand_off` then leases them (pull: the response carries the kv_transfer_params) or
-pushes them into the decode registered under the transfer id (push). Decode leg: the engine
+blocks outlive it; `export_kv` then leases them (pull: the response carries the
+kv_transfer_params) or pushes them into the decode registered under the transfer id (push). Decode leg: the engine
 request is added with `KVRequestOptions.await_remote()` (it waits, abortable, never scheduled),
 `load` pulls or receives the KV into freshly allocated blocks and hands them to the waiting
 request through the engine's KV connector (`adopt`), which then emits the prefill's first
@@ -25,8 +25,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from services.common.errors import ApiError, BadRequestError, InternalServerError
-from services.kv_transfer.errors import BadGatewayError, ConflictError, GatewayTimeoutError
+from services.common.errors import (
+    ApiError,
+    BadGatewayError,
+    BadRequestError,
+    ConflictError,
+    GatewayTimeoutError,
+    InternalServerError,
+)
 from services.worker.config import KVLoadFailurePolicy, WorkerConfig
 from services.worker.engine_client import EngineClient
 from services.worker.kv_params import (
@@ -43,8 +49,8 @@ from shared.protocol.messages import TokenLogprobWire, prompt_digest
 from shared.protocol.pd import PARAM, PrefillLegParams, PushOverlap, PushPrefillResult, Role
 
 if TYPE_CHECKING:  # torch-heavy; a mixed worker never loads them
-    from services.kv_transfer.push_stream import PushStream
-    from services.kv_transfer.transfer import PulledKV
+    from services.kv_transfer.context import PulledKV
+    from services.kv_transfer.push_prefill_stream import PushStream
     from services.worker.kv_link import KVLink
 
 log = logging.getLogger(__name__)
@@ -97,11 +103,11 @@ def engine_logprob(wire: TokenLogprobWire) -> TokenLogprob | None:
                                                               strict=True)))
 
 
-class Handoff:
+class PDLegs:
     """The P/D operations of one prefill or decode worker, over its engine and KV service.
 
     Stateless between requests (per-request progress lives in `LegState`); the serving flow
-    calls `check`, `arrive`/`leave`, then `hand_off` (prefill) or `load` (decode), and
+    calls `check`, `arrive`/`leave`, then `export_kv` (prefill) or `load` (decode), and
     `abandon` on any failure.
     """
 
@@ -149,17 +155,17 @@ class Handoff:
             return KVRequestOptions.await_remote()
         if leg.transfer_id is None or not self.kv.streams_kv_progress:
             return KVRequestOptions.hold()
-        state.stream = self.service.push.open(leg.transfer_id, num_tokens, leg.decode_engine_id)
+        state.stream = self.service.push.prefill.open(leg.transfer_id, num_tokens, leg.decode_engine_id)
         return KVRequestOptions.hold(on_progress=state.stream.feed)
 
     def arrive(self, state: LegState) -> None:
         """Pull decode: heartbeat the prefill's lease from arrival until the request ends."""
         if isinstance(state.leg, PullDecodeLeg):
-            self.service.pull.track(state.leg.params)
+            self.service.pull.decode.track(state.leg.params)
 
     def leave(self, state: LegState) -> None:
         if isinstance(state.leg, PullDecodeLeg):
-            self.service.pull.untrack(state.leg.params)
+            self.service.pull.decode.untrack(state.leg.params)
 
     def abandon(self, state: LegState, reason: str) -> None:
         """The request failed before its transfer started: free what it holds here and tell
@@ -174,11 +180,11 @@ class Handoff:
             if state.stream is not None:
                 state.stream.abort(reason)  # it tells the decode (once registered)
             elif leg.transfer_id is not None:
-                self.service.push.decline_send(leg.transfer_id, reason)
+                self.service.push.prefill.decline(leg.transfer_id, reason)
         elif isinstance(leg, PullDecodeLeg):
-            self.service.pull.decline(leg.params)
+            self.service.pull.decode.decline(leg.params)
         else:
-            self.service.push.decline_receive(leg.transfer_id, leg.prefill_address,
+            self.service.push.decode.decline(leg.transfer_id, leg.prefill_address,
                                               leg.remote_engine_id, reason)
 
     # ---- prefill -----------------------------------------------------------------------
@@ -195,9 +201,9 @@ class Handoff:
                 or params.params.remote_engine_id != node.engine_id:
             raise BadRequestError("these kv_transfer_params were not issued by this worker",
                                   param=f"{PARAM}.remote_engine_id", code="kv_not_issued_here")
-        return self.service.pull.abort(params.params.remote_request_id, params.params.lease_id)
+        return self.service.pull.prefill.abort(params.params.remote_request_id, params.params.lease_id)
 
-    async def hand_off(self, state: LegState, prompt: list[int],
+    async def export_kv(self, state: LegState, prompt: list[int],
                        first: TokenLogprobWire) -> dict[str, Any]:
         """Lease (pull) or push (push) the finished request's held blocks; the JSON object
         that goes out as the response's `kv_transfer_params`."""
@@ -209,10 +215,10 @@ class Handoff:
                                       code="kv_not_held")
         state.transferring = True  # offer/send release the held blocks on every path
         if leg.transfer_id is None:
-            params = await self.service.pull.offer(request_id, ids, len(prompt), first,
+            params = await self.service.pull.prefill.offer(request_id, ids, len(prompt), first,
                                                    prompt_digest(prompt))
             return params.to_json()
-        num_bytes = await self.service.push.send(leg.transfer_id, request_id, ids, len(prompt),
+        num_bytes = await self.service.push.prefill.send(leg.transfer_id, request_id, ids, len(prompt),
                                                  first, leg.decode_engine_id, state.stream)
         node = self.service.identity.node
         return PushPrefillResult(leg.transfer_id, node.engine_id, node.kv_host, node.kv_port,
@@ -287,8 +293,8 @@ class Handoff:
         try:
             async with asyncio.timeout(self.reclaim_s):
                 if isinstance(leg, PullDecodeLeg):
-                    return await self.service.pull.fetch(leg.params)
-                return await self.service.push.receive(leg.transfer_id, leg.prefill_address,
+                    return await self.service.pull.decode.fetch(leg.params)
+                return await self.service.push.decode.receive(leg.transfer_id, leg.prefill_address,
                                                        num_tokens, leg.remote_engine_id)
         except TimeoutError:
             raise GatewayTimeoutError(f"remote KV did not arrive within {self.reclaim_s:.0f}s",

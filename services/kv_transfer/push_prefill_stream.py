@@ -15,7 +15,7 @@ blocks are not the ones written. Digests are taken from the bytes as sent, per e
 
 Failure: any error (the decode's abort, a write refused, the deadline, `abort` by the
 prefill's own request ending) ends the task; the decode is told unless it told us. Held
-blocks are the sender's business (PushSender.send releases them however this ends).
+blocks are the prefill side's business (PushPrefill.send releases them however this ends).
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from services.common.errors import ApiError
-from services.kv_transfer.blocks import StagingRing, iter_chunks
-from services.kv_transfer.errors import ConflictError, GoneError
-from services.kv_transfer.transfer import KVContext
+from services.common.errors import ApiError, ConflictError, GoneError
+from services.kv_transfer.codec import StagingRing, iter_chunks
+from services.kv_transfer.context import KVContext
 from shared.engine.kv_stream import KVProgress
 from shared.protocol.messages import Ack, PushAbort, PushComplete, PushRegister, PushWrite
 from shared.protocol.messages import TokenLogprobWire as FirstToken
