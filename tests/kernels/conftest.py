@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from dense_helpers import DENSE_TIERS, dense_or_skip
 
 import kernels.dense as dense
 from kernels.mxfp4 import Backend, BuildConfig, BuildState, KernelPath, Variant
 from kernels.mxfp4.backend import runnable_backends, unavailable_reason
 from kernels.mxfp4.build import BuildResult, load
+from tests.support.dense import DENSE_TIERS, dense_or_skip
 
 # Every compiled code path, one per tier of the full library, and the scalar-only library's one.
 CPP_PATHS = ("avx512_bf16", "avx512", "avx2", "scalar", "scalar_only")
@@ -44,5 +44,5 @@ def cpp_path(request: pytest.FixtureRequest, builds: dict[Variant, BuildResult])
 
 @pytest.fixture(scope="session", params=DENSE_TIERS)
 def dense_kernel(request: pytest.FixtureRequest) -> dense.KernelPath:
-    """One compiled dense tier (dense_helpers.DENSE_TIERS); only a CPU lacking it skips."""
+    """One compiled dense tier (tests.support.dense.DENSE_TIERS); only a CPU lacking it skips."""
     return dense_or_skip(request.param)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_helpers import Node
 from prometheus_client import CollectorRegistry
 from test_kv_pull import same_bits
 
@@ -30,6 +29,7 @@ from shared.engine.kv_spec import kv_spec_of
 from shared.engine.sampling_params import SamplingParams
 from shared.protocol.compat import ModelKVSpec
 from shared.protocol.messages import TokenLogprobWire
+from tests.support.kv import Node
 
 PROMPT = [(13 * i + 5) % 4000 + 3 for i in range(150)]  # 9 full blocks of 16 and a partial one
 CHUNK = 32  # tokens per step: two blocks per step

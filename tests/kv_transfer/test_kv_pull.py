@@ -11,13 +11,14 @@ import socket
 
 import pytest
 import torch
-from kv_helpers import FIRST, Node, blocks_of, prefill_request, small_spec
 
 from services.kv_transfer import blocks
 from services.kv_transfer.blocks import BlockSink
 from services.kv_transfer.errors import ApiError
 from shared.protocol.codec import FrameReader
 from shared.protocol.messages import KVTransferParams
+from tests.support.clock import FakeClock
+from tests.support.kv import FIRST, Node, blocks_of, prefill_request, small_spec
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -123,9 +124,10 @@ async def test_stale_params_after_release_are_410(nodes) -> None:
 
 
 async def test_lease_expired_before_the_pull_is_410(nodes) -> None:
-    p, d = await nodes("prefill", lease_seconds=0.2), await nodes("decode")
+    clock = FakeClock()  # the prefill's lease table reads it: time moves, nobody sleeps
+    p, d = await nodes("prefill", lease_seconds=30.0, clock=clock), await nodes("decode")
     params, _ = await offered(p)
-    await asyncio.sleep(0.4)
+    clock.advance(30.0)  # the lease ran out (expires <= now)
     await failing_fetch(d, params, 410, "kv_lease_expired")
     await assert_no_leaks(p, d)
     assert p.metric("pdmesh:kv_expired_leases_total") == 1

@@ -6,11 +6,11 @@ import asyncio
 import time
 
 import pytest
-from kv_helpers import FIRST, Node, blocks_of, prefill_request, small_spec
 from test_kv_pull import assert_no_leaks, same_bits
 
 from services.kv_transfer.errors import ApiError
 from services.kv_transfer.push import Rendezvous
+from tests.support.kv import FIRST, Node, blocks_of, prefill_request, small_spec
 
 BIG = {"spec": small_spec(num_layers=4, num_kv_heads=4, head_dim=64), "block_size": 16,
        "max_chunk_bytes": 4096}  # 64 KiB blocks, each written in 16 pieces

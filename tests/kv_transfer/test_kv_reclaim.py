@@ -14,8 +14,7 @@ from services.common.errors import ApiError
 from services.kv_transfer.config import KVTransferConfig
 from services.worker.config import WorkerConfig
 from services.worker.handoff import Handoff
-from shared.protocol.pd import PushDecodeParams
-from shared.protocol.pd import Role
+from shared.protocol.pd import PushDecodeParams, Role
 
 
 @pytest.mark.parametrize(("lease", "push"), [(30.0, 30.0), (2.0, 5.0), (60.0, 1.0), (0.1, 0.1)])

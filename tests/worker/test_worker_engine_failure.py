@@ -24,7 +24,6 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
 from test_worker_sse import split_events
-from worker_harness import start_client, worker_config
 
 from services.common.lifecycle import LIFECYCLE_KEY, ServiceState
 from services.common.runner import serve_until_signalled
@@ -35,6 +34,7 @@ from shared.engine import LLM, SamplingParams
 from shared.engine.engine import NON_FINITE_LOGITS
 from shared.engine.scheduler import ScheduledBatch
 from shared.model.make_model import VOCAB_SIZE
+from tests.support.worker import start_client, worker_config
 
 MODEL = "fake-model"  # the served name worker_config sets
 BOUND_S = 60.0  # any hang fails the test instead of stalling the suite

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from aiohttp.test_utils import TestClient
-from worker_fakes import BOS, EOS, FakeEngine, FakeTokenizer, fake_completion_text
-from worker_harness import MODEL
+
+from tests.support.fake_engine import BOS, EOS, FakeEngine, FakeTokenizer, fake_completion_text
+from tests.support.worker import MODEL
 
 HI = [BOS, *b"hi"]
 

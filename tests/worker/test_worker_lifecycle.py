@@ -14,11 +14,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from worker_fakes import FakeEngine
-from worker_harness import factory_for, worker_config
 
 from services.common.runner import serve_until_signalled
 from services.worker.app import create_app
+from tests.support.fake_engine import FakeEngine
+from tests.support.worker import factory_for, worker_config
 
 
 def free_port() -> int:

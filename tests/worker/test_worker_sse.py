@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 from aiohttp.test_utils import TestClient
-from worker_fakes import BOS, FakeTokenizer, fake_completion_text
 
 from services.common.json_body import dumps
+from tests.support.fake_engine import BOS, FakeTokenizer, fake_completion_text
 
 HI = [BOS, *b"hi"]
 
