@@ -10,7 +10,6 @@ import dataclasses
 import socket
 
 import pytest
-import torch
 
 from services.kv_transfer import blocks
 from services.kv_transfer.blocks import BlockSink
@@ -18,22 +17,15 @@ from services.kv_transfer.errors import ApiError
 from shared.protocol.codec import FrameReader
 from shared.protocol.messages import KVTransferParams
 from tests.support.clock import FakeClock
-from tests.support.kv import FIRST, Node, blocks_of, prefill_request, small_spec
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
-async def assert_no_leaks(*nodes: Node) -> None:
-    for _ in range(2):  # a decode's background release lands in the prefill's tasks
-        for node in nodes:
-            node.service.transfer.reap()
-            await node.service.ctx.drain()
-    for node in nodes:
-        assert node.store.blocks_in_use == 0, node.service.identity.node.role
-        assert node.service.transfer.held_blocks == 0
-        assert node.metric("pdmesh:kv_held_blocks") == 0
+from tests.support.kv import (
+    FIRST,
+    Node,
+    assert_no_leaks,
+    blocks_of,
+    prefill_request,
+    same_bits,
+    small_spec,
+)
 
 
 async def offered(p: Node, request_id: str = "r1", num_tokens: int = 37

@@ -8,7 +8,6 @@ import asyncio
 
 import torch
 import uvloop
-from test_kv_pull import assert_no_leaks, same_bits
 
 from services.kv_transfer.blocks import (
     BlockSink,
@@ -21,7 +20,15 @@ from services.kv_transfer.store import KVGeometry, block_major
 from shared.protocol.codec import EnvelopeReader, FrameReader, frame_header, seal
 from shared.protocol.messages import ReleaseRequest, StreamEnd, TensorChunk
 from shared.protocol.tensors import row_digests
-from tests.support.kv import FIRST, SECRET, prefill_request, small_spec, start_node
+from tests.support.kv import (
+    FIRST,
+    SECRET,
+    assert_no_leaks,
+    prefill_request,
+    same_bits,
+    small_spec,
+    start_node,
+)
 
 KIB = 1024
 

@@ -19,7 +19,7 @@ from services.router.upstream import Upstream
 from services.router.workers import Worker
 from shared.protocol.pd import Role
 from tests.support.fake_worker import FakeWorker, Fault
-from tests.support.worker import free_port
+from tests.support.net import free_port
 
 BODY = {"model": "fake-model", "prompt": "lease me", "max_tokens": 4}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from services.router.supervisor import RestartPolicy
-from tests.support.worker import free_port
+from tests.support.net import free_port
 
 # Run from ROOT: the `up` process's cwd, which what it spawns inherits.
 FAKE_SERVE = "-m tests.support.fake_serve"

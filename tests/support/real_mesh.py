@@ -28,7 +28,8 @@ from typing import Any
 
 import aiohttp
 
-from tests.support.worker import free_port, wait_ready
+from tests.support.net import free_port
+from tests.support.worker import wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"

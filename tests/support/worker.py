@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from services.worker.app import create_app
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient
 from shared.config import EngineConfig
+from tests.support.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
@@ -47,12 +47,6 @@ def worker_config(**overrides: Any) -> WorkerConfig:
 
 def factory_for(engine: EngineClient) -> EngineFactory:
     return lambda _config: engine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def wait_ready(session: aiohttp.ClientSession, url: str, timeout: float = 120.0,
