@@ -27,7 +27,7 @@ from pathlib import Path
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
-FAKE_SERVE = ROOT / "tests" / "router" / "fake_serve.py"
+FAKE_SERVE = "tests.support.fake_serve"  # run with -m from ROOT
 
 
 def _port() -> int:
@@ -44,7 +44,7 @@ def start_fakes(token_delay: float, procs: list) -> dict[str, str]:
     urls = {}
     for role in ("prefill", "decode", "mixed"):
         port = _port()
-        procs.append(_spawn([sys.executable, str(FAKE_SERVE), "--model", "fake-model",
+        procs.append(_spawn([sys.executable, "-m", FAKE_SERVE, "--model", "fake-model",
                              "--role", role, "--transfer-mode", "pull", "--host", "127.0.0.1",
                              "--port", str(port), "--fake-token-delay", str(token_delay)]))
         urls[role] = f"http://127.0.0.1:{port}"

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from bench_fake_server import KV_BYTES, PHASES, FakeOpenAI, serve
 
 from services.bench import runner
 from services.bench.config import BenchConfig
 from shared.protocol.pd import ApiKind
+from tests.support.fake_openai import KV_BYTES, PHASES, FakeOpenAI, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 # matplotlib is the optional `bench` extra: without it --plot must fail clearly, after the JSON

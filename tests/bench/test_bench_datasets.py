@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from bench_fake_server import FakeOpenAI
 
 from services.bench.client import iter_sse
 from services.bench.config import (
@@ -24,6 +23,7 @@ from services.bench.config import (
 from services.bench.datasets import DatasetError, build_prompts, read_jsonl
 from services.bench.runner import arrival_offsets
 from shared.protocol.pd import ApiKind
+from tests.support.fake_openai import FakeOpenAI
 
 
 class WordCodec:

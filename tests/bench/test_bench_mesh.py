@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,14 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.net import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cli(*args: str) -> list[str]:
@@ -33,7 +28,7 @@ def mesh_url(tmp_path_factory: pytest.TempPathFactory):
     model = tmp_path_factory.mktemp("bench-mesh") / "tiny"
     subprocess.run(_cli("make-model", str(model), "--preset", "tiny", "--arch", "llama",
                         "--seed", "0", "--untied"), cwd=ROOT, check=True, capture_output=True)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(_cli("up", "--model", str(model), "--port", str(port),
                                  "--threads", "1", "--ready-timeout", "120"),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -23,12 +24,10 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _import_benchmarks(*names: str) -> list[ModuleType]:
-    saved = list(sys.path)
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
+    # The scripts import each other by bare name: benchmarks/ leads sys.path while they load,
+    # on a copy of the list that is dropped afterwards (with what the scripts added to it).
+    with mock.patch.object(sys, "path", [str(BENCHMARKS), *sys.path]):
         return [importlib.import_module(name) for name in names]
-    finally:
-        sys.path[:] = saved
 
 
 peer_servers, peers, llamacpp_decode, peers_table = _import_benchmarks(

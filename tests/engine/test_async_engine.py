@@ -8,11 +8,11 @@ import asyncio
 import time
 
 import pytest
-from engine_helpers import random_prompts, run_engine
 
 from shared.config import EngineConfig
 from shared.engine import AsyncEngine, EngineDeadError, FinishReason, SamplingParams
 from shared.engine.kv_connector import KVRequestOptions
+from tests.support.engine import random_prompts, run_engine
 
 PROMPTS = random_prompts([4, 18, 9, 33, 2, 25], seed=21)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -14,13 +14,13 @@ import logging
 from pathlib import Path
 
 import pytest
-from engine_helpers import random_prompts
 
 from shared.config import EngineConfig
 from shared.engine import AsyncEngine, EngineDeadError, EngineState, FinishReason, SamplingParams
 from shared.engine.engine import NON_FINITE_LOGITS
 from shared.engine.outputs import RequestOutput
 from shared.engine.scheduler import ScheduledBatch
+from tests.support.engine import random_prompts
 
 PROMPTS = random_prompts([5, 12, 7, 30], seed=3)
 LONG = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)

@@ -5,9 +5,9 @@ with prefix caching, chunked prefill and forced preemption switched on or off.""
 from __future__ import annotations
 
 import pytest
-from engine_helpers import assert_all_blocks_free, hf_greedy, random_prompts, run_engine
 
 from shared.engine.sampling_params import SamplingParams
+from tests.support.engine import assert_all_blocks_free, hf_greedy, random_prompts, run_engine
 
 NEW = 40
 LENGTHS = [1, 3, 7, 16, 17, 33, 50, 90]

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 import torch
-from engine_helpers import random_prompts
 
 from shared.engine import LLM, FinishReason, SamplingParams
+from tests.support.engine import random_prompts
 
 PROMPTS = random_prompts([6, 21, 13], seed=11)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)

@@ -44,14 +44,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from native_contract import (
-    LogitRecorder,
-    PositionStats,
-    Tolerance,
-    compare_positions,
-    reference_logits,
-    violations,
-)
 
 import kernels.dense as dense
 from shared.config import EngineConfig
@@ -59,6 +51,14 @@ from shared.engine.engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.kernel_tiers import backend_tier, cpu_tier
 from shared.model.loader import load_model
+from tests.support.native_contract import (
+    LogitRecorder,
+    PositionStats,
+    Tolerance,
+    compare_positions,
+    reference_logits,
+    violations,
+)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "Once upon a time, in a small village, there lived an old clockmaker who", "1, 2, 3,"]

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import hf_greedy, run_engine
 
 from shared.config import EngineConfig
 from shared.engine import AsyncEngine, FinishReason, SamplingParams
 from shared.engine.engine import LLMEngine
 from shared.model.make_model import VOCAB_SIZE
+from tests.support.engine import hf_greedy, run_engine
 
 ROWS = VOCAB_SIZE + 64
 PROMPTS = [[1, 9038, 2088, 28, 638], [504, 2365, 6354, 16438], [VOCAB_SIZE + 3, 17, ROWS - 1, 42]]

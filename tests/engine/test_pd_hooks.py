@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from engine_helpers import assert_all_blocks_free, random_prompts, run_engine
 
 from shared.engine.outputs import FinishReason
 from shared.engine.request import PrefilledKV
 from shared.engine.sampling_params import SamplingParams
+from tests.support.engine import assert_all_blocks_free, random_prompts, run_engine
 
 PROMPTS = random_prompts([1, 16, 37, 70], seed=5)
 PARAMS = [

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine_helpers import assert_all_blocks_free, random_prompts, run_engine
-
 from shared.engine.sampling_params import SamplingParams
+from tests.support.engine import assert_all_blocks_free, random_prompts, run_engine
 
 PROMPTS = random_prompts([5, 12, 30, 2, 19, 44, 8, 27], seed=3)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=24,

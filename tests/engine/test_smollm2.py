@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import hf_greedy
 
 from shared.engine import LLM, SamplingParams
+from tests.support.engine import hf_greedy
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "def fibonacci(n):",

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from dense_helpers import DENSE_TIERS, dense_or_skip
 from torch import nn
 
 import kernels.dense as dense
@@ -33,6 +32,7 @@ from shared.model.attention import AttentionMetadata
 from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_model
 from shared.model.make_model import ModelSpec, write_checkpoint
+from tests.support.dense import DENSE_TIERS, dense_or_skip
 
 SMOLLM2_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]  # (in, out)
 BATCHES = [1, 2, 7, 16, 32]

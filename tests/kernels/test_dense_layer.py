@@ -26,7 +26,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from dense_helpers import DENSE_TIERS, dense_or_skip
 
 import kernels.dense as dense
 from kernels import mxfp4
@@ -37,6 +36,7 @@ from shared.model.loader import load_model
 from shared.model.make_model import ModelSpec, write_checkpoint
 from shared.model.quant import QuantConfig
 from shared.model.rope import RopeConfig, RotaryEmbedding
+from tests.support.dense import DENSE_TIERS, dense_or_skip
 
 BLOCK, NUM_BLOCKS = 4, 160
 # (num_computed, num_scheduled) per sequence: decode rows next to prefill chunks.

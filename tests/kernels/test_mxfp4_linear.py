@@ -6,9 +6,9 @@ from functools import cache
 
 import pytest
 import torch
-from mxfp4_helpers import random_packed
 
 from kernels.mxfp4 import KernelPath, reference
+from tests.support.mxfp4 import random_packed
 
 SMOLLM2_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]  # (in, out)
 BATCHES = [1, 2, 7, 16, 32]

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from mxfp4_helpers import assert_same_bits, every_code_blocks, random_weights
 
 from kernels.mxfp4 import KernelPath, reference
+from tests.support.mxfp4 import assert_same_bits, every_code_blocks, random_weights
 
 
 def _check(path: KernelPath, w: torch.Tensor) -> None:

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from mxfp4_helpers import assert_same_bits, every_code_blocks, random_weights
 
 from kernels.mxfp4 import reference
+from tests.support.mxfp4 import assert_same_bits, every_code_blocks, random_weights
 
 OCP_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 

@@ -6,10 +6,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from kv_helpers import Node, start_node
 
 from shared.model.make_model import ModelSpec, write_checkpoint
 from shared.model.registry import resolve_model
+from tests.support.kv import Node, start_node
 
 
 @pytest.fixture(scope="session")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from kv_helpers import FIRST, SECRET, prefill_request
 
 from services.kv_transfer.config import KV_SECRET_ENV, KVTransferConfig, add_arguments
+from tests.support.kv import FIRST, SECRET, prefill_request
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_helpers import Node
 from prometheus_client import CollectorRegistry
-from test_kv_pull import same_bits
 
 from services.kv_transfer.app import start_server
 from services.kv_transfer.config import KVTransferConfig
@@ -30,6 +28,7 @@ from shared.engine.kv_spec import kv_spec_of
 from shared.engine.sampling_params import SamplingParams
 from shared.protocol.compat import ModelKVSpec
 from shared.protocol.messages import TokenLogprobWire
+from tests.support.kv import Node, same_bits
 
 PROMPT = [(13 * i + 5) % 4000 + 3 for i in range(150)]  # 9 full blocks of 16 and a partial one
 CHUNK = 32  # tokens per step: two blocks per step

@@ -6,7 +6,6 @@ import logging
 
 import msgpack
 import pytest
-from kv_helpers import SECRET, post_raw, small_spec
 
 from services.common.errors import ApiError, ConflictError
 from services.kv_transfer.handshake import KVIdentity, check_layer_coverage, layer_coverage, sign
@@ -14,6 +13,7 @@ from services.kv_transfer.pull import PullTransfer
 from shared.protocol.codec import KV_PROTOCOL_VERSION, seal, to_fields
 from shared.protocol.compat import CompatFactors
 from shared.protocol.messages import NodeInfo, PullRequest
+from tests.support.kv import SECRET, post_raw, small_spec
 
 
 async def expect_error(coro, status: int) -> ApiError:

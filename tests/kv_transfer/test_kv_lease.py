@@ -7,18 +7,11 @@ import pytest
 from services.common.errors import GoneError, NotFoundError
 from services.kv_transfer.lease import LeaseState, LeaseTable
 from shared.protocol.messages import LeaseRef
+from tests.support.clock import FakeClock
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def table() -> tuple[LeaseTable, Clock]:
-    clock = Clock()
+def table() -> tuple[LeaseTable, FakeClock]:
+    clock = FakeClock()
     return LeaseTable(30.0, 20.0, clock), clock
 
 
@@ -68,7 +61,7 @@ def test_expiry_heartbeat_and_reap() -> None:
 
 
 def test_tombstones_are_bounded() -> None:
-    t = LeaseTable(30.0, 20.0, Clock(), tombstones=2)
+    t = LeaseTable(30.0, 20.0, FakeClock(), tombstones=2)
     for i in range(4):
         t.create(f"r{i}", [i], 1, ["a"])
         t.end(f"r{i}", LeaseState.RELEASED)

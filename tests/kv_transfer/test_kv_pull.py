@@ -10,29 +10,22 @@ import dataclasses
 import socket
 
 import pytest
-import torch
-from kv_helpers import FIRST, Node, blocks_of, prefill_request, small_spec
 
 from services.common.errors import ApiError
 from services.kv_transfer import codec
 from services.kv_transfer.codec import BlockSink
 from shared.protocol.codec import FrameReader
 from shared.protocol.messages import KVTransferParams
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
-async def assert_no_leaks(*nodes: Node) -> None:
-    for _ in range(2):  # a decode's background release lands in the prefill's tasks
-        for node in nodes:
-            node.service.transfer.reap()
-            await node.service.ctx.drain()
-    for node in nodes:
-        assert node.store.blocks_in_use == 0, node.service.identity.node.role
-        assert node.service.transfer.held_blocks == 0
-        assert node.metric("pdmesh:kv_held_blocks") == 0
+from tests.support.clock import FakeClock
+from tests.support.kv import (
+    FIRST,
+    Node,
+    assert_no_leaks,
+    blocks_of,
+    prefill_request,
+    same_bits,
+    small_spec,
+)
 
 
 async def offered(p: Node, request_id: str = "r1", num_tokens: int = 37
@@ -123,9 +116,10 @@ async def test_stale_params_after_release_are_410(nodes) -> None:
 
 
 async def test_lease_expired_before_the_pull_is_410(nodes) -> None:
-    p, d = await nodes("prefill", lease_seconds=0.2), await nodes("decode")
+    clock = FakeClock()  # the prefill's lease table reads it: time moves, nobody sleeps
+    p, d = await nodes("prefill", lease_seconds=30.0, clock=clock), await nodes("decode")
     params, _ = await offered(p)
-    await asyncio.sleep(0.4)
+    clock.advance(30.0)  # the lease ran out (expires <= now)
     await failing_fetch(d, params, 410, "kv_lease_expired")
     await assert_no_leaks(p, d)
     assert p.metric("pdmesh:kv_expired_leases_total") == 1

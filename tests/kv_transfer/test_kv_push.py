@@ -6,14 +6,18 @@ import asyncio
 import time
 
 import pytest
-from kv_helpers import FIRST, Node, blocks_of, prefill_request, small_spec
-from test_kv_pull import assert_no_leaks, same_bits
 
 from services.common.errors import ApiError
 from services.kv_transfer.push import Rendezvous
-
-BIG = {"spec": small_spec(num_layers=4, num_kv_heads=4, head_dim=64), "block_size": 16,
-       "max_chunk_bytes": 4096}  # 64 KiB blocks, each written in 16 pieces
+from tests.support.kv import (
+    BIG,
+    FIRST,
+    assert_no_leaks,
+    blocks_of,
+    pair,
+    prefill_request,
+    same_bits,
+)
 
 
 async def wait_until(condition, timeout: float = 10.0) -> None:
@@ -21,10 +25,6 @@ async def wait_until(condition, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         await asyncio.sleep(0.01)
-
-
-async def pair(nodes, **options) -> tuple[Node, Node]:
-    return await nodes("prefill", "push", **options), await nodes("decode", "push", **options)
 
 
 @pytest.mark.parametrize("options", [{}, BIG])

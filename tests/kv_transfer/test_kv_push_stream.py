@@ -12,13 +12,20 @@ import asyncio
 
 import pytest
 import torch
-from kv_helpers import FIRST, Node, blocks_of, prefill_request
-from test_kv_pull import assert_no_leaks, same_bits
-from test_kv_push import BIG, pair
 
 from services.common.errors import ApiError
 from services.kv_transfer.store import block_major
 from shared.engine.kv_stream import KVProgress
+from tests.support.kv import (
+    BIG,
+    FIRST,
+    Node,
+    assert_no_leaks,
+    blocks_of,
+    pair,
+    prefill_request,
+    same_bits,
+)
 
 TOKENS = 45  # 12 blocks of 4 tokens, the last one partial
 

@@ -8,8 +8,6 @@ import asyncio
 
 import torch
 import uvloop
-from kv_helpers import FIRST, SECRET, prefill_request, small_spec, start_node
-from test_kv_pull import assert_no_leaks, same_bits
 
 from services.kv_transfer.codec import (
     BlockSink,
@@ -22,6 +20,15 @@ from services.kv_transfer.store import CacheBlocks, block_major
 from shared.protocol.codec import EnvelopeReader, FrameReader, frame_header, seal
 from shared.protocol.messages import ReleaseRequest, StreamEnd, TensorChunk
 from shared.protocol.tensors import row_digests
+from tests.support.kv import (
+    FIRST,
+    SECRET,
+    assert_no_leaks,
+    prefill_request,
+    same_bits,
+    small_spec,
+    start_node,
+)
 
 KIB = 1024
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import PagedRunner, random_ids
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from shared.model.loader import load_model
 from shared.model.rope import RopeType
+from tests.support.model import PagedRunner, random_ids
 
 # fp32 throughout; logits reach |50|, so allow a few ulps of relative error on top.
 ATOL, RTOL = 1e-4, 1e-5

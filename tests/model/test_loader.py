@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import PagedRunner, random_ids
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -21,6 +20,7 @@ from shared.model.loader import (
     weight_files,
     weights_fingerprint,
 )
+from tests.support.model import PagedRunner, random_ids
 
 
 def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

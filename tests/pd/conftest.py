@@ -8,14 +8,13 @@ were collected, so their start-up overlaps the other tests.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
-import aiohttp
 import pytest
-from pd_harness import SubprocessWorker, WorkerThread, wait_ready
-from pd_mesh import (
+
+from services.worker.config import KVLoadFailurePolicy
+from tests.support.pd_mesh import (
     KILL_LEASE_S,
     SHORT_LEASE_S,
     Mesh,
@@ -24,8 +23,7 @@ from pd_mesh import (
     serve_args,
     worker_config,
 )
-
-from services.worker.config import KVLoadFailurePolicy
+from tests.support.worker import SubprocessWorker, start_workers, stop_all
 
 
 @pytest.fixture(scope="session")
@@ -54,18 +52,11 @@ def mesh(tiny_model: Path, other_model: Path) -> Iterator[Mesh]:
                                           policy=KVLoadFailurePolicy.RECOMPUTE),
         "other_decode": worker_config(other_model, "decode"),
     }
-    workers = {name: WorkerThread(cfg).start() for name, cfg in configs.items()}
-
-    async def ready() -> None:
-        async with aiohttp.ClientSession() as session:
-            await asyncio.gather(*(wait_ready(session, w.url) for w in workers.values()))
-
+    workers = start_workers(configs)
     try:
-        asyncio.run(ready())
         yield Mesh(**workers)
     finally:
-        for worker in workers.values():
-            worker.stop()
+        stop_all(workers)
 
 
 @pytest.fixture(scope="session")

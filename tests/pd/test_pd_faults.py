@@ -14,8 +14,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from pd_harness import metadata, post, prefill_body, settle_to_zero
-from pd_mesh import MODEL, SHORT_LEASE_S, Mesh
+
+from tests.support.pd import metadata, post, prefill_body, settle_to_zero
+from tests.support.pd_mesh import MODEL, SHORT_LEASE_S, Mesh
 
 COMPLETIONS = "/v1/completions"
 BODY = {"model": MODEL, "prompt": "Faults are part of life. " * 8, "max_tokens": 6,

@@ -4,23 +4,11 @@ left behind on either side."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
-from pd_harness import (
-    WorkerThread,
-    dispatch_pull,
-    dispatch_push,
-    metadata,
-    post,
-    prefill_body,
-    settle_to_zero,
-    wait_ready,
-)
-from pd_mesh import MODEL, Mesh, worker_config
 
 from services.router.config import RouterConfig
 from services.router.errors import NoServableGroupError
@@ -28,6 +16,16 @@ from services.router.pairing import Decision, Pairing
 from services.router.registry import WorkerRegistry
 from services.router.workers import WorkerMetadata
 from shared.protocol.pd import Role
+from tests.support.pd import (
+    dispatch_pull,
+    dispatch_push,
+    metadata,
+    post,
+    prefill_body,
+    settle_to_zero,
+)
+from tests.support.pd_mesh import MODEL, Mesh, worker_config
+from tests.support.worker import WorkerThread, start_workers, stop_all
 
 COMPLETIONS = "/v1/completions"
 BODY = {"model": MODEL, "prompt": "Pairing check " * 6, "max_tokens": 4, "temperature": 0}
@@ -46,18 +44,11 @@ def variants(tiny_model: Path) -> Iterator[dict[str, WorkerThread]]:
         "signed_prefill": worker_config(tiny_model, "prefill", secret=SECRET),
         "signed_decode": worker_config(tiny_model, "decode", secret=SECRET),
     }
-    workers = {name: WorkerThread(cfg).start() for name, cfg in configs.items()}
-
-    async def ready() -> None:
-        async with aiohttp.ClientSession() as s:
-            await asyncio.gather(*(wait_ready(s, w.url) for w in workers.values()))
-
+    workers = start_workers(configs)
     try:
-        asyncio.run(ready())
         yield workers
     finally:
-        for worker in workers.values():
-            worker.stop()
+        stop_all(workers)
 
 
 def assert_envelope(error: dict, status: int, got_status: int) -> None:

@@ -13,8 +13,9 @@ import re
 
 import aiohttp
 import pytest
-from pd_harness import Answer, dispatch_pull, dispatch_push, metadata, post, settle_to_zero
-from pd_mesh import MODEL, Mesh
+
+from tests.support.pd import Answer, dispatch_pull, dispatch_push, metadata, post, settle_to_zero
+from tests.support.pd_mesh import MODEL, Mesh
 
 LENGTHS = (1, 15, 16, 17, 200, 2000)
 BLOCK = 16

@@ -15,8 +15,9 @@ import re
 from typing import Any
 
 import aiohttp
-from pd_harness import Answer, dispatch_pull, dispatch_push, metadata, post, settle_to_zero
-from pd_mesh import MODEL, SHORT_LEASE_S, Mesh
+
+from tests.support.pd import Answer, dispatch_pull, dispatch_push, metadata, post, settle_to_zero
+from tests.support.pd_mesh import MODEL, SHORT_LEASE_S, Mesh
 
 NUM_REQUESTS = 200
 CONCURRENCY = 16

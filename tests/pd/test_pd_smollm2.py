@@ -3,27 +3,25 @@ mixed worker's tokens for a chat and a long completion prompt."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import aiohttp
 import pytest
-from pd_harness import (
-    SMOLLM2,
-    SMOLLM2_REQUESTS,
-    WorkerThread,
-    dispatch_pull,
-    dispatch_push,
-    metadata,
-    post,
-    settle_to_zero,
-    wait_ready,
-)
 
 from services.kv_transfer.config import KVTransferConfig
 from services.worker.config import WorkerConfig
 from shared.config import EngineConfig
 from shared.protocol.pd import Role
+from tests.support.pd import (
+    SMOLLM2,
+    SMOLLM2_REQUESTS,
+    dispatch_pull,
+    dispatch_push,
+    metadata,
+    post,
+    settle_to_zero,
+)
+from tests.support.worker import WorkerThread, start_workers, stop_all
 
 MODEL, REQUESTS = SMOLLM2, SMOLLM2_REQUESTS
 
@@ -40,18 +38,11 @@ def smol() -> Iterator[dict[str, WorkerThread]]:
     parts = {"mixed": ("mixed", "pull"), "prefill": ("prefill", "pull"),
              "decode": ("decode", "pull"), "push_prefill": ("prefill", "push"),
              "push_decode": ("decode", "push")}
-    workers = {name: WorkerThread(config(*part)).start() for name, part in parts.items()}
-
-    async def ready() -> None:
-        async with aiohttp.ClientSession() as s:
-            await asyncio.gather(*(wait_ready(s, w.url, timeout=300) for w in workers.values()))
-
+    workers = start_workers({name: config(*part) for name, part in parts.items()}, timeout=300)
     try:
-        asyncio.run(ready())
         yield workers
     finally:
-        for worker in workers.values():
-            worker.stop()
+        stop_all(workers)
 
 
 @pytest.mark.slow

@@ -13,15 +13,10 @@ import re
 import signal
 
 import aiohttp
-from pd_harness import (
-    SubprocessWorker,
-    dispatch_pull,
-    post,
-    prefill_body,
-    settle_to_zero,
-    wait_ready,
-)
-from pd_mesh import KILL_LEASE_S, MODEL, Mesh, ProcessPair
+
+from tests.support.pd import dispatch_pull, post, prefill_body, settle_to_zero
+from tests.support.pd_mesh import KILL_LEASE_S, MODEL, Mesh, ProcessPair
+from tests.support.worker import SubprocessWorker, wait_ready
 
 COMPLETIONS = "/v1/completions"
 BODY = {"model": MODEL, "prompt": "Killing a worker mid-transfer. " * 10, "max_tokens": 6,

@@ -10,19 +10,18 @@ step timeout, and the checks below also count the traffic on both sides:
 from __future__ import annotations
 
 import pytest
-from pipeline_helpers import (
-    assert_quiescent,
-    engine_config,
-    greedy,
-    pipeline_config,
-    random_prompts,
-    reference,
-    run_engine,
-)
 
 from shared.pipeline.channel import Counter
 from shared.pipeline.engine import PipelineEngine
 from shared.pipeline.events import EventKind, EventLog, PipelineHooks
+from tests.support.engine import random_prompts, run_engine
+from tests.support.pipeline import (
+    assert_quiescent,
+    engine_config,
+    greedy,
+    pipeline_config,
+    reference,
+)
 
 CHUNK = {"max_num_batched_tokens": 16}
 pytestmark = pytest.mark.timeout(45)

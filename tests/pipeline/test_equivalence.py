@@ -6,19 +6,18 @@ from __future__ import annotations
 import math
 
 import pytest
-from pipeline_helpers import (
-    assert_quiescent,
-    engine_config,
-    greedy,
-    pipeline_config,
-    random_prompts,
-    reference,
-    run_engine,
-)
 
 from shared.engine.engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.pipeline.engine import PipelineEngine
+from tests.support.engine import random_prompts, run_engine
+from tests.support.pipeline import (
+    assert_quiescent,
+    engine_config,
+    greedy,
+    pipeline_config,
+    reference,
+)
 
 LENGTHS = [3, 17, 40, 64, 5, 29, 1, 33]
 LATE = {6: 3, 7: 9}  # prompt index -> added before this step

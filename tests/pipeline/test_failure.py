@@ -8,12 +8,13 @@ import os
 import signal
 
 import pytest
-from pipeline_helpers import engine_config, greedy, pipeline_config, random_prompts
 
 from shared.engine.async_engine import EngineDeadError
 from shared.engine.outputs import FinishReason, RequestOutput
 from shared.pipeline.engine import PipelineEngine, PipelineState
 from shared.pipeline.facades import PipelineAsyncEngine
+from tests.support.engine import random_prompts
+from tests.support.pipeline import engine_config, greedy, pipeline_config
 
 
 async def until(predicate, timeout_s: float = 10.0) -> None:

@@ -4,19 +4,18 @@ test_offline.py; one pipeline per process, so it needs its own module)."""
 from __future__ import annotations
 
 import pytest
-from pipeline_helpers import (
-    assert_quiescent,
-    engine_config,
-    greedy,
-    pipeline_config,
-    random_prompts,
-    reference,
-    run_engine,
-)
 
 from shared.engine.outputs import FinishReason
 from shared.pipeline.engine import PipelineEngine
 from shared.pipeline.handoff import HandoffState
+from tests.support.engine import random_prompts, run_engine
+from tests.support.pipeline import (
+    assert_quiescent,
+    engine_config,
+    greedy,
+    pipeline_config,
+    reference,
+)
 
 # 12 blocks of 16 tokens: four requests growing to ~70 tokens each cannot all fit.
 TIGHT = {"kv_blocks": 12, "max_num_batched_tokens": 64}

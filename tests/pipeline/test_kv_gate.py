@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-from pipeline_helpers import engine_config, greedy, pipeline_config, random_prompts
 
 from shared.engine.kv_stream import KVProgress, KVStreamTracker
 from shared.engine.request import Request, RequestStatus
@@ -20,6 +19,8 @@ from shared.engine.sampling_params import SamplingParams
 from shared.pipeline.engine import PipelineEngine
 from shared.pipeline.events import EventKind, EventLog, PipelineEvent, PipelineHooks
 from shared.pipeline.kv_gate import StageKVGate
+from tests.support.engine import random_prompts
+from tests.support.pipeline import engine_config, greedy, pipeline_config
 
 
 def running(rid: str, prompt_len: int, computed: int, blocks: list[int]) -> Request:

@@ -4,12 +4,13 @@ waited exactly once, the stages exit cleanly, nothing leaks."""
 from __future__ import annotations
 
 import pytest
-from pipeline_helpers import greedy, pipeline_config, random_prompts
 
 from shared.pipeline.channel import Counter
 from shared.pipeline.engine import PipelineEngine, PipelineState
 from shared.pipeline.facades import PipelineLLM
 from shared.pipeline.handoff import HandoffState
+from tests.support.engine import random_prompts
+from tests.support.pipeline import greedy, pipeline_config
 
 
 def step_until_all_lanes_in_flight(engine: PipelineEngine) -> None:

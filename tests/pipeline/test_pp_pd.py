@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,24 +21,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))  # the P/D test harness
-from pd_harness import (  # noqa: E402
-    SubprocessWorker,
-    WorkerThread,
-    dispatch_pull,
-    dispatch_push,
-    metadata,
-    post,
-    settle_to_zero,
-    wait_ready,
-)
-
-from services.kv_transfer.config import KVTransferConfig  # noqa: E402
-from services.worker.config import WorkerConfig  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
-from shared.protocol.codec import decode  # noqa: E402
-from shared.protocol.messages import ServiceInfo  # noqa: E402
-from shared.protocol.pd import Role  # noqa: E402
+from services.kv_transfer.config import KVTransferConfig
+from services.worker.config import WorkerConfig
+from shared.config import EngineConfig
+from shared.protocol.codec import decode
+from shared.protocol.messages import ServiceInfo
+from shared.protocol.pd import Role
+from tests.support.pd import dispatch_pull, dispatch_push, metadata, post, settle_to_zero
+from tests.support.worker import SubprocessWorker, WorkerThread, wait_ready
 
 MODEL = "tiny-pp"
 COMPLETIONS = "/v1/completions"

@@ -5,32 +5,26 @@ worker's, token for token, for a chat and a long (chunked) completion prompt."""
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import aiohttp
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))  # the P/D test harness
-from pd_harness import (
+from services.kv_transfer.config import KVTransferConfig
+from services.worker.config import WorkerConfig
+from shared.config import EngineConfig
+from shared.protocol.codec import decode
+from shared.protocol.messages import ServiceInfo
+from shared.protocol.pd import Role
+from tests.support.pd import (
     SMOLLM2,
-    SMOLLM2_REQUESTS,  # noqa: E402
-    SubprocessWorker,
-    WorkerThread,
+    SMOLLM2_REQUESTS,
     dispatch_pull,
     metadata,
     post,
     settle_to_zero,
-    wait_ready,
 )
-
-from services.kv_transfer.config import KVTransferConfig  # noqa: E402
-from services.worker.config import WorkerConfig  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
-from shared.protocol.codec import decode  # noqa: E402
-from shared.protocol.messages import ServiceInfo  # noqa: E402
-from shared.protocol.pd import Role  # noqa: E402
+from tests.support.worker import SubprocessWorker, WorkerThread, wait_ready
 
 MODEL, REQUESTS = SMOLLM2, SMOLLM2_REQUESTS
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(280)]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +14,10 @@ import urllib.request
 from pathlib import Path
 
 from shared.engine import LLM, SamplingParams
+from tests.support.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog and then"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: dict) -> dict:
@@ -36,7 +30,7 @@ def _post(url: str, body: dict) -> dict:
 def test_pp2_worker_matches_single_process(small_ckpt: Path) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     expected = [o.token_ids for o in LLM(model=str(small_ckpt)).generate(PROMPTS, params)]
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "serve", "--model", str(small_ckpt),
          "--pp-size", "2", "--port", str(port), "--threads", "1", "--log-level", "WARNING"],
@@ -97,7 +91,7 @@ def _start_pp_worker(ckpt: Path, port: int) -> subprocess.Popen:
 
 
 def test_pp_worker_exits_1_when_a_stage_dies(small_ckpt: Path) -> None:
-    port = _free_port()
+    port = free_port()
     proc = _start_pp_worker(small_ckpt, port)
     try:
         body = json.dumps({"model": "m", "prompt": "Hello", "max_tokens": 400, "stream": True,

@@ -7,18 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pipeline_helpers import (
-    engine_config,
-    greedy,
-    pipeline_config,
-    random_prompts,
-    reference,
-    run_engine,
-)
 
 from shared.engine.engine import LLMEngine
 from shared.engine.request import PrefilledKV
 from shared.pipeline.engine import PipelineEngine
+from tests.support.engine import random_prompts, run_engine
+from tests.support.pipeline import engine_config, greedy, pipeline_config, reference
 
 
 @pytest.mark.timeout(50)

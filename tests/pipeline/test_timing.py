@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch.multiprocessing as mp
-from pipeline_helpers import engine_config, greedy, pipeline_config, random_prompts, run_engine
 
 from shared.pipeline.engine import PipelineEngine
 from shared.pipeline.events import EventKind, EventLog, PipelineEvent, PipelineHooks
+from tests.support.engine import random_prompts, run_engine
+from tests.support.pipeline import engine_config, greedy, pipeline_config
 
 E = EventKind
 

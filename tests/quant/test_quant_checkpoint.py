@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from quant_helpers import PROMPTS, engine_from, greedy, quantized_modules
 
 from kernels import mxfp4
 from services.cli import main as cli_main
 from shared.model.loader import iter_weights, load_model, open_checkpoint, stored_tensor_names
 from shared.model.quant import QuantConfig
 from shared.model.quant_checkpoint import write_quantized_checkpoint
+from tests.support.quant import PROMPTS, engine_from, greedy, quantized_modules
 
 
 def quantize_cli(src: Path, out: Path, *flags: str) -> int:

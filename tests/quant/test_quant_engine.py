@@ -9,7 +9,13 @@ above 32 tokens; they run together (batched decode) and one alone (single-row de
 from __future__ import annotations
 
 import pytest
-from quant_helpers import (
+
+from services.cli import main as cli_main
+from shared.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.model.loader import load_model
+from shared.model.quant import DEFAULT_QUANTIZE_LM_HEAD, MXFP4Linear, QuantConfig
+from tests.support.quant import (
     ENGINE,
     PROMPTS,
     engine_from,
@@ -17,12 +23,6 @@ from quant_helpers import (
     quantized_modules,
     replace_with_reference,
 )
-
-from services.cli import main as cli_main
-from shared.config import EngineConfig
-from shared.engine.engine import LLMEngine
-from shared.model.loader import load_model
-from shared.model.quant import DEFAULT_QUANTIZE_LM_HEAD, MXFP4Linear, QuantConfig
 
 
 def reference_tokens(ckpt, quantize_lm_head: bool, batch: list[list[int]]) -> list[list[int]]:

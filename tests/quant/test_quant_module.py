@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from quant_helpers import quantized_modules, reference_dequantised
 from torch import nn
 
 from kernels import mxfp4
 from shared.model.loader import iter_weights, load_model, open_checkpoint
 from shared.model.quant import DequantScratch, MXFP4Linear, QuantConfig, quantize_linears
+from tests.support.quant import quantized_modules, reference_dequantised
 
 DECODER_LINEARS = {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"}
 

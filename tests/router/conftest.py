@@ -1,26 +1,20 @@
-"""Fixtures: a router app in front of in-process fake workers (see pd_fakes.py), and the
-real worker processes the slow end-to-end tests share (see real_mesh.py)."""
+"""Fixtures: a router app in front of in-process fake workers (tests/support/fake_worker.py), and the
+real worker processes the slow end-to-end tests share (tests/support/real_mesh.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from pd_fakes import FakeWorker
 
 from services.router.app import create_app
 from services.router.config import BreakerConfig, RouterConfig
 from services.router.state import STATE_KEY, RouterState
-
-# The P/D tests' harness (readiness polling, block accounting, a plain client) is reused by the
-# real-process router tests.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))
+from tests.support.fake_worker import FakeWorker
 
 FLEET_START_TIMEOUT_S = 240.0  # six SmolLM2 loads at once on a loaded 2-core machine
 
@@ -95,8 +89,10 @@ async def make_mesh() -> AsyncIterator[MeshFactory]:
 
 @pytest.fixture(scope="session")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """The shared real workers (real_mesh.Fleet), started on first use; logs in a temp dir."""
-    from real_mesh import Fleet  # imports the worker stack: only the slow tests pay for it
+    """The shared real workers (tests.support.real_mesh.Fleet), started on first use; logs in a temp dir."""
+    from tests.support.real_mesh import (
+        Fleet,  # imports the worker stack: only the slow tests pay for it
+    )
 
     fleet = Fleet.create(tmp_path_factory.mktemp("router-fleet"))
     try:

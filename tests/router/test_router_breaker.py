@@ -4,14 +4,7 @@ from __future__ import annotations
 
 from services.router.breaker import BreakerState, CircuitBreaker
 from services.router.config import BreakerConfig
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support.clock import FakeClock
 
 
 def _breaker(clock, **kw) -> CircuitBreaker:
@@ -20,7 +13,7 @@ def _breaker(clock, **kw) -> CircuitBreaker:
 
 
 def test_opens_after_n_failures_within_the_window():
-    clock = Clock()
+    clock = FakeClock(0.0)
     b = _breaker(clock)
     for _ in range(2):
         b.record_failure()
@@ -30,23 +23,23 @@ def test_opens_after_n_failures_within_the_window():
 
 
 def test_failures_outside_the_window_do_not_count():
-    clock = Clock()
+    clock = FakeClock(0.0)
     b = _breaker(clock)
     b.record_failure()
     b.record_failure()
-    clock.t = 11.0
+    clock.now = 11.0
     b.record_failure()
     assert b.state is BreakerState.CLOSED
 
 
 def test_half_open_after_cooldown_allows_one_probe_then_closes_after_m_successes():
-    clock = Clock()
+    clock = FakeClock(0.0)
     b = _breaker(clock)
     for _ in range(3):
         b.record_failure()
-    clock.t = 4.9
+    clock.now = 4.9
     assert b.state is BreakerState.OPEN
-    clock.t = 5.0
+    clock.now = 5.0
     assert b.state is BreakerState.HALF_OPEN
     assert b.allow() and not b.allow()  # one probe at a time
     b.record_success()
@@ -56,25 +49,25 @@ def test_half_open_after_cooldown_allows_one_probe_then_closes_after_m_successes
 
 
 def test_failure_in_half_open_reopens_and_restarts_the_cooldown():
-    clock = Clock()
+    clock = FakeClock(0.0)
     b = _breaker(clock)
     for _ in range(3):
         b.record_failure()
-    clock.t = 6.0
+    clock.now = 6.0
     assert b.allow()
     b.record_failure()
     assert b.state is BreakerState.OPEN
-    clock.t = 10.0
+    clock.now = 10.0
     assert b.state is BreakerState.OPEN
-    clock.t = 11.0
+    clock.now = 11.0
     assert b.state is BreakerState.HALF_OPEN
 
 
 def test_release_gives_the_probe_back_without_a_verdict():
-    clock = Clock()
+    clock = FakeClock(0.0)
     b = _breaker(clock, failures=1)
     b.record_failure()
-    clock.t = 5.0
+    clock.now = 5.0
     assert b.allow() and not b.available()
     b.release()
     assert b.available() and b.state is BreakerState.HALF_OPEN

@@ -8,12 +8,12 @@ import asyncio
 import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from real_mesh import MODEL
 
 from services.router.app import create_app
 from services.router.config import RouterConfig
 from services.router.state import STATE_KEY
 from shared.protocol.pd import ApiKind
+from tests.support.real_mesh import MODEL
 
 # Generous: the first test of a session also waits for the shared fleet to load (see conftest).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]

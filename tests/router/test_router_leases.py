@@ -10,8 +10,6 @@ import asyncio
 
 import aiohttp
 import pytest
-from pd_fakes import FakeWorker, Fault
-from pd_harness import free_port
 
 from services.router.breaker import CircuitBreaker
 from services.router.config import BreakerConfig, Policy
@@ -20,6 +18,8 @@ from services.router.metrics import RouterMetrics
 from services.router.upstream import Upstream
 from services.router.workers import Worker
 from shared.protocol.pd import Role
+from tests.support.fake_worker import FakeWorker, Fault
+from tests.support.net import free_port
 
 BODY = {"model": "fake-model", "prompt": "lease me", "max_tokens": 4}
 

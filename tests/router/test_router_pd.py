@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-from pd_fakes import FakeWorker, Rendezvous, expected_text
-
 from services.router.config import Policy
+from tests.support.fake_worker import FakeWorker, Rendezvous, expected_text
 
 
 async def _post(mesh, path, body, headers=None):

@@ -1,6 +1,6 @@
 """End to end through a real `pdmesh router` process in front of real SmolLM2 workers.
 
-Three routers share the session's worker fleet (real_mesh.py): P/D in pull mode, P/D in push
+Three routers share the session's worker fleet (tests/support/real_mesh.py): P/D in pull mode, P/D in push
 mode, and one mixed worker. Greedy answers through each must equal the mixed worker's answer to
 the same request sent to it directly (the independent reference), token for token. Also: the
 openai SDK streaming a chat through the router, the metadata document, and cancellation (a
@@ -19,8 +19,9 @@ from contextlib import ExitStack
 import aiohttp
 import openai
 import pytest
-from pd_harness import Answer, blocks_in_use, post, settle_to_zero
-from real_mesh import MODEL, Fleet, Service, get_json, metric, running_router, until
+
+from tests.support.pd import Answer, blocks_in_use, post, settle_to_zero
+from tests.support.real_mesh import MODEL, Fleet, Service, get_json, metric, running_router, until
 
 # Generous: the first test of a session also waits for the shared fleet to load (see conftest).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from pd_harness import Answer, post, settle_to_zero
-from real_mesh import (
+
+from tests.support.pd import Answer, post, settle_to_zero
+from tests.support.real_mesh import (
     MODEL,
     Fleet,
     Service,

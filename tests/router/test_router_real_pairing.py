@@ -14,8 +14,17 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
-from pd_harness import post
-from real_mesh import ADMIN_TOKEN, MODEL, Fleet, Service, get_json, running_router, until
+
+from tests.support.pd import post
+from tests.support.real_mesh import (
+    ADMIN_TOKEN,
+    MODEL,
+    Fleet,
+    Service,
+    get_json,
+    running_router,
+    until,
+)
 
 # Generous: the first test of a session also waits for the shared fleet to load (see conftest).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]

@@ -6,12 +6,12 @@ import asyncio
 import time
 
 import pytest
-from pd_fakes import FakeWorker, expected_text
 
 from services.router.config import BreakerConfig
 from services.router.registry import WorkerRegistry
 from services.router.workers import MetadataError, WorkerMetadata
 from shared.protocol.pd import Role
+from tests.support.fake_worker import FakeWorker, expected_text
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 

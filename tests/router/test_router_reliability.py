@@ -7,9 +7,9 @@ import json
 
 import aiohttp
 import pytest
-from pd_fakes import FakeWorker, Fault, Rendezvous, expected_text
 
 from services.router.config import AdmissionConfig, BreakerConfig, Policy, RetryConfig
+from tests.support.fake_worker import FakeWorker, Fault, Rendezvous, expected_text
 
 BODY = {"model": "fake-model", "prompt": "retry me", "max_tokens": 4}
 

@@ -7,7 +7,8 @@ import json
 
 import aiohttp
 import openai
-from pd_fakes import FakeWorker, Rendezvous, expected_text, token_texts
+
+from tests.support.fake_worker import FakeWorker, Rendezvous, expected_text, token_texts
 
 
 def _sdk(mesh) -> openai.AsyncOpenAI:

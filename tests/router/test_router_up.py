@@ -17,11 +17,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from pd_harness import free_port
 
 from services.router.supervisor import RestartPolicy
+from tests.support.net import free_port
 
-FAKE_SERVE = Path(__file__).with_name("fake_serve.py")
+# Run from ROOT: the `up` process's cwd, which what it spawns inherits.
+FAKE_SERVE = "-m tests.support.fake_serve"
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient
-from worker_fakes import FakeEngine
-from worker_harness import API_KEY, ThreadedServer, factory_for, start_client, worker_config
 
 from services.cli import main as pdmesh
-from services.worker.app import create_app
+from tests.support.fake_engine import FakeEngine
+from tests.support.worker import API_KEY, WorkerThread, factory_for, start_client, worker_config
 
 
 @pytest.fixture
@@ -28,11 +27,11 @@ async def client(fake_engine: FakeEngine) -> AsyncIterator[TestClient]:
 
 
 @pytest.fixture
-def threaded_fake() -> Iterator[tuple[ThreadedServer, FakeEngine]]:
+def threaded_fake() -> Iterator[tuple[WorkerThread, FakeEngine]]:
     """A fake-engine worker on a real port with API key `API_KEY`, for the openai SDK."""
     engine = FakeEngine()
-    app = create_app(worker_config(api_keys=(API_KEY,)), factory_for(engine))
-    server = ThreadedServer(app).start()
+    server = WorkerThread(worker_config(api_keys=(API_KEY,)), factory_for(engine))
+    server.start(ready_timeout=120)
     yield server, engine
     server.stop()
 

@@ -16,15 +16,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
-from test_worker_sse import split_events
-from worker_harness import start_client, worker_config
 
 from services.common.lifecycle import LIFECYCLE_KEY, ServiceState
 from services.common.runner import serve_until_signalled
@@ -35,6 +32,9 @@ from shared.engine import LLM, SamplingParams
 from shared.engine.engine import NON_FINITE_LOGITS
 from shared.engine.scheduler import ScheduledBatch
 from shared.model.make_model import VOCAB_SIZE
+from tests.support.net import free_port
+from tests.support.sse import split_events
+from tests.support.worker import start_client, wait_ready, worker_config
 
 MODEL = "fake-model"  # the served name worker_config sets
 BOUND_S = 60.0  # any hang fails the test instead of stalling the suite
@@ -177,12 +177,6 @@ async def test_injected_failure_over_http(tiny_worker: TestClient) -> None:
     await asyncio.wait_for(lifecycle.wait_finished(), BOUND_S)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_engine_failure_ends_the_process_with_status_1(make_checkpoint, caplog) -> None:
     """serve_until_signalled is what `pdmesh serve` runs: it returns the process's exit status."""
     port = free_port()
@@ -191,14 +185,7 @@ async def test_engine_failure_ends_the_process_with_status_1(make_checkpoint, ca
                                    engine_failure_drain_seconds=30.0))
     server = asyncio.create_task(serve_until_signalled(app, "127.0.0.1", port, 5.0))
     async with aiohttp.ClientSession() as session:
-        for _ in range(int(BOUND_S / 0.05)):
-            try:
-                async with session.get(f"{base}/health") as resp:
-                    if resp.status == 200:
-                        break
-            except aiohttp.ClientConnectionError:
-                pass
-            await asyncio.sleep(0.05)
+        await wait_ready(session, base, BOUND_S)
         fault = Fault()
         app[RUNTIME_KEY].engine.engine.runner.fault_hook = fault
         body = {"model": MODEL, "prompt": "bye", "stream": True, **LONG}

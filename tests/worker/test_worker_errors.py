@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 from aiohttp.test_utils import TestClient
-from worker_fakes import FakeEngine
-from worker_harness import MODEL, start_client, worker_config
 
 from services.worker.app import create_app
 from shared.config import EngineConfig
+from tests.support.fake_engine import FakeEngine
+from tests.support.worker import MODEL, start_client, worker_config
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -178,7 +178,8 @@ class SlowStartEngine(FakeEngine):
 
 async def test_503_until_ready() -> None:
     from aiohttp.test_utils import TestServer
-    from worker_harness import factory_for
+
+    from tests.support.worker import factory_for
 
     app = create_app(worker_config(), factory_for(SlowStartEngine()))
     client = TestClient(TestServer(app))

@@ -12,9 +12,10 @@ import pytest
 from aiohttp.test_utils import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from worker_fakes import FakeEngine
-from worker_harness import start_client, worker_config
-from worker_strategies import bodies, json_values
+
+from tests.support.fake_engine import FakeEngine
+from tests.support.strategies import bodies, json_values
+from tests.support.worker import start_client, worker_config
 
 base = {"/v1/completions": {"prompt": "hi", "max_tokens": 3},
         "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}}

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from aiohttp.test_utils import TestClient
-from worker_fakes import BOS, EOS, FakeEngine, FakeTokenizer, fake_completion_text
-from worker_harness import MODEL, start_client, worker_config
 
 from kernels.tier import max_tier
 from shared.config import EngineConfig
 from shared.kernel_tiers import backend_tier, cpu_tier
+from tests.support.fake_engine import BOS, EOS, FakeEngine, FakeTokenizer, fake_completion_text
+from tests.support.worker import MODEL, start_client, worker_config
 
 HI = [BOS, *b"hi"]
 

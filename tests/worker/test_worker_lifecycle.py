@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,17 +13,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from worker_fakes import FakeEngine
-from worker_harness import factory_for, worker_config
 
 from services.common.runner import serve_until_signalled
 from services.worker.app import create_app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support.fake_engine import FakeEngine
+from tests.support.net import free_port
+from tests.support.worker import factory_for, worker_config
 
 
 async def wait_status(session: aiohttp.ClientSession, url: str, status: int, timeout: float) -> None:

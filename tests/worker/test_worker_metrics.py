@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-from worker_fakes import FakeEngine
-from worker_harness import MODEL, start_client, worker_config
+
+from tests.support.fake_engine import FakeEngine
+from tests.support.worker import MODEL, start_client, worker_config
 
 GAUGES = ("pdmesh:num_requests_running", "pdmesh:num_requests_waiting", "pdmesh:kv_cache_usage_perc")
 COUNTERS = ("pdmesh:prompt_tokens", "pdmesh:generation_tokens", "pdmesh:request_success",

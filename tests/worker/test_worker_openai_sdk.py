@@ -6,17 +6,16 @@ import asyncio
 
 import openai
 import pytest
-from worker_fakes import BOS, FakeEngine, fake_completion_text
-from worker_harness import API_KEY, MODEL, ThreadedServer, factory_for, worker_config
 
-from services.worker.app import create_app
 from shared.config import EngineConfig
+from tests.support.fake_engine import BOS, FakeEngine, fake_completion_text
+from tests.support.worker import API_KEY, MODEL, WorkerThread, factory_for, worker_config
 
-Threaded = tuple[ThreadedServer, FakeEngine]
+Threaded = tuple[WorkerThread, FakeEngine]
 
 
-def sync_client(server: ThreadedServer, key: str = API_KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0, timeout=30)
+def sync_client(server: WorkerThread, key: str = API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=30)
 
 
 def test_models_and_completions(threaded_fake: Threaded) -> None:
@@ -85,8 +84,8 @@ def test_mid_stream_error_raises_api_error(threaded_fake: Threaded) -> None:
 async def test_async_client_stream_and_rate_limit() -> None:
     engine = FakeEngine(gate=asyncio.Event())
     config = worker_config(engine=EngineConfig(model=MODEL, max_num_seqs=1), max_queue=0, api_keys=(API_KEY,))
-    server = ThreadedServer(create_app(config, factory_for(engine))).start()
-    client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0,
+    server = WorkerThread(config, factory_for(engine)).start(ready_timeout=120)
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
                                 timeout=30)
     try:
         first = await client.completions.create(model=MODEL, prompt="hi", max_tokens=3, stream=True)

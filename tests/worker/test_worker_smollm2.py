@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import openai
 import pytest
-from worker_harness import ThreadedServer
 
-from services.worker.app import create_app
 from services.worker.config import WorkerConfig
 from shared.config import EngineConfig
 from shared.engine import LLM
 from shared.engine.sampling_params import SamplingParams
+from tests.support.worker import WorkerThread
 
 MODEL = "smollm2-135m-instruct"
 
@@ -19,9 +18,9 @@ MODEL = "smollm2-135m-instruct"
 def test_smollm2_chat_and_completion_match_offline() -> None:
     engine = EngineConfig(model=MODEL, dtype="float32", max_model_len=1024,
                           kv_cache_memory_bytes=64 * 2**20)
-    server = ThreadedServer(create_app(WorkerConfig(engine=engine))).start(timeout=300)
+    server = WorkerThread(WorkerConfig(engine=engine)).start(ready_timeout=300)
     try:
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
         stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,

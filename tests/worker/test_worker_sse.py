@@ -5,23 +5,12 @@ from __future__ import annotations
 import json
 
 from aiohttp.test_utils import TestClient
-from worker_fakes import BOS, FakeTokenizer, fake_completion_text
 
 from services.common.json_body import dumps
+from tests.support.fake_engine import BOS, FakeTokenizer, fake_completion_text
+from tests.support.sse import split_events
 
 HI = [BOS, *b"hi"]
-
-
-def split_events(raw: bytes) -> list[bytes]:
-    """Every event is exactly b"data: <payload>\\n\\n"; nothing else is allowed in the body."""
-    assert raw.endswith(b"data: [DONE]\n\n"), raw[-60:]
-    parts = raw.split(b"\n\n")
-    assert parts[-1] == b""
-    events = parts[:-1]
-    for event in events:
-        assert event.startswith(b"data: ") and b"\n" not in event, event
-    assert b"".join(e + b"\n\n" for e in events) == raw
-    return [e[len(b"data: "):] for e in events]
 
 
 async def stream(client: TestClient, path: str, body: dict) -> tuple[list[dict], list[bytes]]:

@@ -14,17 +14,16 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from worker_harness import ThreadedServer, start_client
-from worker_strategies import bodies
 
 from kernels import dense, mxfp4
 from kernels.tier import Tier
-from services.worker.app import create_app
 from services.worker.config import WorkerConfig
 from shared.config import EngineConfig
 from shared.engine import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.kernel_tiers import backend_tier, cpu_tier
+from tests.support.strategies import bodies
+from tests.support.worker import WorkerThread, start_client
 
 MAX_LEN = 512
 KV_BYTES = 16 * 1024 * 1024
@@ -32,10 +31,10 @@ PROMPTS = [f"Request {i}: " + f"tell me about the number {i}. " * (1 + i % 5) fo
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir: Path) -> Iterator[ThreadedServer]:
+def server(tiny_dir: Path) -> Iterator[WorkerThread]:
     engine = EngineConfig(model=str(tiny_dir), dtype="float32", max_model_len=MAX_LEN,
                           kv_cache_memory_bytes=KV_BYTES, max_num_seqs=64)
-    srv = ThreadedServer(create_app(WorkerConfig(engine=engine, served_model_names=("tiny",)))).start()
+    srv = WorkerThread(WorkerConfig(engine=engine, served_model_names=("tiny",))).start(ready_timeout=120)
     yield srv
     srv.stop()
 
@@ -58,10 +57,10 @@ async def stream_token_ids(session: aiohttp.ClientSession, url: str, prompt: str
     return ids
 
 
-async def test_32_concurrent_streams_match_offline(server: ThreadedServer, offline: LLM) -> None:
+async def test_32_concurrent_streams_match_offline(server: WorkerThread, offline: LLM) -> None:
     lengths = [8 + i % 9 for i in range(len(PROMPTS))]
     async with aiohttp.ClientSession() as session:
-        got = await asyncio.gather(*(stream_token_ids(session, server.base_url, p, n)
+        got = await asyncio.gather(*(stream_token_ids(session, server.url, p, n)
                                      for p, n in zip(PROMPTS, lengths, strict=True)))
     want = offline.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=n) for n in lengths])
     for i, (ids, ref) in enumerate(zip(got, want, strict=True)):
@@ -82,8 +81,8 @@ async def abort_count(session: aiohttp.ClientSession, url: str) -> float:
     return 0.0
 
 
-async def test_disconnect_mid_stream_frees_blocks(server: ThreadedServer) -> None:
-    url = server.base_url
+async def test_disconnect_mid_stream_frees_blocks(server: WorkerThread) -> None:
+    url = server.url
     async with aiohttp.ClientSession() as probe:
         aborts_before = await abort_count(probe, url)
         body = {"model": "tiny", "prompt": "x " * 200, "max_tokens": MAX_LEN - 300, "ignore_eos": True,
@@ -107,12 +106,12 @@ async def test_disconnect_mid_stream_frees_blocks(server: ThreadedServer) -> Non
         assert await abort_count(probe, url) == aborts_before + 1
 
 
-async def test_vllm_bench_dialect(server: ThreadedServer, tiny_dir: Path) -> None:
+async def test_vllm_bench_dialect(server: WorkerThread, tiny_dir: Path) -> None:
     """What `vllm bench serve` sends: /tokenize, /metrics, then streamed completions with
     ignore_eos, repetition_penalty=1.0 and include_usage."""
     from shared.model.tokenizer import Tokenizer
 
-    url = server.base_url
+    url = server.url
     prompt = "The quick brown fox jumps over the lazy dog"
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{url}/tokenize",
@@ -134,8 +133,8 @@ async def test_vllm_bench_dialect(server: ThreadedServer, tiny_dir: Path) -> Non
     assert usage["usage"]["prompt_tokens"] == tok["count"]
 
 
-def test_openai_chat_matches_offline_chat(server: ThreadedServer, offline: LLM) -> None:
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+def test_openai_chat_matches_offline_chat(server: WorkerThread, offline: LLM) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"}]
     ref = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0]
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
@@ -147,7 +146,7 @@ def test_openai_chat_matches_offline_chat(server: ThreadedServer, offline: LLM) 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=bodies, chat=st.booleans())
-def test_fuzz_real_model_never_5xx(server: ThreadedServer, body: dict, chat: bool) -> None:
+def test_fuzz_real_model_never_5xx(server: WorkerThread, body: dict, chat: bool) -> None:
     """Arbitrary fields against the real tokenizer, template and engine (short generations)."""
     import urllib.error
     import urllib.request
@@ -155,7 +154,7 @@ def test_fuzz_real_model_never_5xx(server: ThreadedServer, body: dict, chat: boo
     base = ({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "hi"})
     payload = {**base, **body, "max_tokens": 2, "max_completion_tokens": 2, "n": 1}
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    req = urllib.request.Request(server.base_url + path, data=json.dumps(payload).encode(),
+    req = urllib.request.Request(server.url + path, data=json.dumps(payload).encode(),
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:

@@ -1,15 +1,14 @@
-"""A stand-in for `pdmesh serve` (same flags) that runs a fake worker, for `pdmesh up` tests."""
+"""A stand-in for `pdmesh serve` (same flags) that runs a fake worker, for `pdmesh up` tests and
+benchmarks/router.py: `python -m tests.support.fake_serve ...` from the repository root."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from aiohttp import web
 
-sys.path.insert(0, os.path.dirname(__file__))
-from pd_fakes import FakeWorker  # noqa: E402
+from tests.support.fake_worker import FakeWorker
 
 
 def main() -> None:

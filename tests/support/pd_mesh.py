@@ -6,13 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pd_harness import SubprocessWorker, WorkerThread
-
 from services.cli import main as pdmesh
 from services.kv_transfer.config import KVTransferConfig
 from services.worker.config import KVLoadFailurePolicy, WorkerConfig
 from shared.config import EngineConfig
 from shared.protocol.pd import Role
+from tests.support.worker import SubprocessWorker, WorkerThread
 
 MODEL = "tiny"
 SHORT_LEASE_S = 2.0

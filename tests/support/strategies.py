@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from hypothesis import strategies as st
-from worker_harness import MODEL
+
+from tests.support.worker import MODEL
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "echo", "stop",
           "stream", "stream_options", "logprobs", "top_logprobs", "temperature", "top_p", "top_k",

@@ -97,3 +97,29 @@ async def post_raw(url: str, body: bytes, headers: dict[str, str] | None = None
 
             return r.status, json.loads(data)
         return r.status, {}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes and bit-identical contents (NaNs and signed zeros included)."""
+    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+async def assert_no_leaks(*nodes: Node) -> None:
+    """Held and allocated blocks back to zero on every node (after reaping and draining)."""
+    for _ in range(2):  # a decode's background release lands in the prefill's tasks
+        for node in nodes:
+            node.service.transfer.reap()
+            await node.service.ctx.drain()
+    for node in nodes:
+        assert node.store.blocks_in_use == 0, node.service.identity.node.role
+        assert node.service.transfer.held_blocks == 0
+        assert node.metric("pdmesh:kv_held_blocks") == 0
+
+
+BIG = {"spec": small_spec(num_layers=4, num_kv_heads=4, head_dim=64), "block_size": 16,
+       "max_chunk_bytes": 4096}  # 64 KiB blocks, each written in 16 pieces
+
+
+async def pair(nodes, **options) -> tuple[Node, Node]:  # nodes: the kv_transfer fixture
+    """A push-mode prefill and decode, both with `options`."""
+    return await nodes("prefill", "push", **options), await nodes("decode", "push", **options)

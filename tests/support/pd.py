@@ -1,37 +1,22 @@
-"""Running P/D workers in tests, and a small test dispatcher playing the router's part.
+"""A small test dispatcher playing the router's part in front of P/D workers
+(tests.support.worker runs them), and the client side: answers, metadata, block accounting.
 
-Workers are the real worker app (`services.worker.app.create_app`) on 127.0.0.1 with real
-ports, each on its own thread and event loop (so one test process can hold several engines
-without a second torch import); `SubprocessWorker` runs `pdmesh serve` for the tests that
-kill a worker. The dispatcher sends the two legs as the router does (services/router/legs.py):
-pull is prefill then decode with the prefill's `kv_transfer_params`, push sends both legs at
-once with one transfer id.
+The dispatcher sends the two legs as the router does (services/router/legs.py): pull is
+prefill then decode with the prefill's `kv_transfer_params`, push sends both legs at once with
+one transfer id.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
-from services.worker.app import create_app
-from services.worker.config import WorkerConfig
-
-REPO = Path(__file__).resolve().parents[2]
 # The real-model P/D checks (pd and pipeline tests): a chat and a long, chunked completion.
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_REQUESTS = [
@@ -39,102 +24,6 @@ SMOLLM2_REQUESTS = [
                                             "content": "What is the capital of France?"}]}),
     ("/v1/completions", {"prompt": "Here is a short history of the printing press. " * 25}),
 ]
-
-
-class WorkerThread:
-    """One worker app on 127.0.0.1 in a thread with its own loop; `url`, `config`, `stop()`."""
-
-    def __init__(self, config: WorkerConfig) -> None:
-        self.config = config
-        self.app = create_app(config)
-        self.loop = asyncio.new_event_loop()
-        self.port = 0
-        self._runner: web.AppRunner | None = None
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def _start(self) -> None:
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=1.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
-
-    def start(self) -> WorkerThread:
-        """Listening on return; call `wait_ready` before sending requests."""
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(60)
-        return self
-
-    def freeze(self, seconds: float) -> None:
-        """Block this worker's event loop (HTTP and KV service) for `seconds`: a stalled peer."""
-        self.loop.call_soon_threadsafe(time.sleep, seconds)
-
-    def stop(self) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        self.loop.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class SubprocessWorker:
-    """`pdmesh serve ...` in its own process (so a test can SIGSTOP or SIGKILL it)."""
-
-    def __init__(self, args: list[str], log_path: Path) -> None:
-        self.port = free_port()
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "services.worker", "--host", "127.0.0.1",
-               "--port", str(self.port), "--log-level", "WARNING", *args]
-        self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def signal(self, sig: signal.Signals) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._log.close()
-
-
-async def wait_ready(session: aiohttp.ClientSession, url: str, timeout: float = 120.0,
-                     alive: Callable[[], bool] = lambda: True) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            async with session.get(f"{url}/health") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientConnectionError:
-            pass
-        if time.monotonic() > deadline or not alive():
-            raise TimeoutError(f"worker {url} never became ready")
-        await asyncio.sleep(0.05)
 
 
 # ---- the test dispatcher -------------------------------------------------------------

@@ -8,8 +8,8 @@ all at once (each load is ~10 s of CPU), by the `fleet` fixture in conftest.py. 
 starts its own routers in front of the workers it needs (a router starts in about a second).
 A test that kills or freezes a shared worker restores it before it ends.
 
-Block accounting, readiness polling and the client side come from the P/D tests' harness
-(tests/pd/pd_harness.py), which conftest.py puts on the import path.
+Readiness polling comes from tests.support.worker; block accounting and the client side from
+tests.support.pd.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from pd_harness import free_port, wait_ready
+
+from tests.support.net import free_port
+from tests.support.worker import wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"

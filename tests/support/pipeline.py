@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +13,7 @@ from shared.model.loader import read_config
 from shared.pipeline.channel import Counter
 from shared.pipeline.config import PipelineConfig
 from shared.pipeline.engine import PipelineEngine
-
-VOCAB = 49152
+from tests.support.engine import run_engine
 
 
 def block_bytes(ckpt: Path, block_size: int = 16) -> int:
@@ -37,41 +35,8 @@ def pipeline_config(pp_size: int, **overrides: Any) -> PipelineConfig:
                                               **overrides})
 
 
-def random_prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
-
-
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def run_engine(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams],
-               late: dict[int, int] | None = None, max_steps: int = 5000,
-               ) -> dict[int, RequestOutput]:
-    """Run prompts[i] with params[i] (prompt i in `late` is added before step late[i]);
-    returns each prompt's final output and checks the streamed deltas add up."""
-    late = late or {}
-    final: dict[int, RequestOutput] = {}
-    streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    for i, p in enumerate(prompts):
-        if i not in late:
-            engine.add_request(f"req-{i}", p, params[i])
-    step = 0
-    while engine.has_unfinished_requests() or any(step <= s for s in late.values()):
-        for i, s in late.items():
-            if s == step:
-                engine.add_request(f"req-{i}", prompts[i], params[i])
-        for out in engine.step():
-            i = int(out.request_id.split("-")[1])
-            streamed[i] += out.new_token_ids
-            if out.finished:
-                final[i] = out
-        step += 1
-        assert step < max_steps
-    for i, out in final.items():
-        assert streamed[i] == out.token_ids
-    return final
 
 
 def reference(ckpt: Path, prompts: list[list[int]], params: list[SamplingParams],

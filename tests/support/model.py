@@ -1,4 +1,4 @@
-"""Test helpers for model tests (imported by module name; pytest puts tests/model on sys.path).
+"""Test helpers for model tests.
 
 `PagedRunner` plays the engine's part just enough to exercise the model: it gives every
 sequence a scrambled block table (so paging bugs cannot hide behind contiguous slots),
