@@ -28,16 +28,14 @@ from kernels.mxfp4.backend import FASTEST_FIRST, cpu_tier, runnable_backends, un
 from kernels.mxfp4.build import BuildResult
 from kernels.tier import Tier, max_tier, set_max_tier
 
-MAX_BUILD_SECONDS = 60.0
-
 
 @pytest.mark.parametrize("variant", list(Variant))
 def test_both_variants_compile(builds: dict[Variant, BuildResult], variant: Variant) -> None:
     result = builds[variant]
     assert result.state is BuildState.READY, result.error
     assert result.library is not None and result.library.path.is_file()
-    if result.compiled:  # a cold cache: this run compiled it
-        assert result.seconds < MAX_BUILD_SECONDS
+    # Build time is not asserted here (a timed assertion fails on a busy machine);
+    # `pdmesh kernels build` reports it, and benchmarks measure speed.
     assert result.library.has_avx512_code == (variant is Variant.FULL)
     assert result.library.has_avx2_code == (variant is Variant.FULL)
 
