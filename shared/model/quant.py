@@ -28,6 +28,7 @@ from torch import nn
 from kernels import mxfp4
 from kernels.mxfp4.backend import FUSED_MAX_ROWS
 from kernels.mxfp4.build import FULL_NAMESPACE
+from kernels.tier import Tier
 
 BLOCK = 32  # elements per MXFP4 block: in_features must be a multiple
 PACKED_SUFFIXES = ("weight_blocks", "weight_scales")
@@ -108,6 +109,10 @@ def resolve_quantization(requested: QuantConfig | str | None, hf_config: Mapping
                          f"head; quantize_lm_head={quant.quantize_lm_head} needs a re-quantised "
                          "checkpoint")
     return replace(quant or QuantConfig(), prequantized=True, quantize_lm_head=stored_head)
+
+
+# Tiers whose prefill GEMM stays in bf16: the oracle, and CPUs with bf16 dot products.
+_BF16_GEMM_TIERS = (Tier.REFERENCE, Tier.AVX512_BF16)
 
 
 class DequantScratch:
@@ -197,9 +202,15 @@ class MXFP4Linear(nn.Module):
             return torch.cat([self._op(x[i:i + step], self.weight_blocks, self.weight_scales,
                                        self.bias, self._path_id)
                               for i in range(0, x.shape[0], step)])
-        w = self.scratch.view(self.out_features, self.in_features, x.dtype)
+        # torch's bf16 GEMM is slow without bf16 dot products (kernels/dense/backend.py's
+        # prefill_linear): every compiled tier but avx512_bf16 multiplies in fp32 instead.
+        gemm = x.dtype
+        if x.dtype == torch.bfloat16 and self.path.backend.tier not in _BF16_GEMM_TIERS:
+            gemm = torch.float32
+        w = self.scratch.view(self.out_features, self.in_features, gemm)
         self.path.dequantize(self.weight_blocks, self.weight_scales, out=w)
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        y = F.linear(x.to(gemm), w, None if self.bias is None else self.bias.to(gemm))
+        return y.to(x.dtype)
 
     @torch.no_grad()
     def load(self, attr: str, src: torch.Tensor, lo: int, hi: int, name: str) -> None:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import mxfp4
+from kernels.tier import Tier
 from shared.model.loader import iter_weights, load_model, open_checkpoint
 from shared.model.quant import DequantScratch, MXFP4Linear, QuantConfig, quantize_linears
 from tests.support.quant import quantized_modules, reference_dequantised
@@ -56,10 +57,17 @@ def test_loaded_packing_equals_reference_quantize(tiny_untied):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_prefill_rows_equal_dequantise_then_matmul(dtype, bias):
-    """Over 32 rows: dequantise exactly (into the shared scratch) and call torch's matmul."""
+    """Over 32 rows: dequantise exactly (into the shared scratch) and call torch's matmul, in
+    x's dtype; bf16 x on a compiled tier without bf16 dot products multiplies in fp32 and
+    rounds once (torch's bf16 GEMM is slow there: kernels.dense.backend.prefill_linear)."""
     module, w = make_linear(96, 64, bias)
     x = torch.randn(45, 64).to(dtype)
-    want = F.linear(x, w.to(dtype), None if module.bias is None else module.bias.to(dtype))
+    gemm = dtype
+    if dtype == torch.bfloat16 and module.path.backend.tier not in (Tier.REFERENCE,
+                                                                    Tier.AVX512_BF16):
+        gemm = torch.float32
+    bias_t = None if module.bias is None else module.bias.to(gemm)
+    want = F.linear(x.to(gemm), w.to(gemm), bias_t).to(dtype)
     assert torch.equal(module(x), want)
 
 
