@@ -69,6 +69,8 @@ class ProcessPair:
 
 
 def serve_args(model: Path, role: str, *extra: str) -> list[str]:
+    # fp32, as the in-process workers (EngineConfig's default): the CLI's `--dtype auto` is
+    # bf16 on a CPU with a native tier, and a bf16 worker never pairs with an fp32 one.
     return ["--model", str(model), "--served-model-name", MODEL, "--role", role,
             "--transfer-mode", "pull", "--kv-port", "0", "--kv-cache-memory", "16MiB",
-            "--threads", "1", *extra]
+            "--threads", "1", "--dtype", "float32", *extra]
