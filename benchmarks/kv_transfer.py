@@ -48,7 +48,8 @@ from services.kv_transfer.config import KVTransferConfig  # noqa: E402
 from services.kv_transfer.service import KVTransferService  # noqa: E402
 from services.kv_transfer.store import InMemoryBlockStore  # noqa: E402
 from shared.protocol.compat import ModelKVSpec  # noqa: E402
-from shared.protocol.messages import KVTransferParams, TokenLogprobWire  # noqa: E402
+from shared.protocol.messages import TokenLogprobWire  # noqa: E402
+from shared.protocol.pd import KVTransferParams  # noqa: E402
 
 TOKENS, BLOCK, LAYERS, KVH, HD = 2000, 16, 30, 3, 64
 NBYTES = LAYERS * 2 * 125 * BLOCK * KVH * HD * 2
@@ -170,7 +171,7 @@ async def serve_prefill(iters: int) -> None:
     p = await side("prefill", "pull", 125 * (iters + 1) + 1)
     for i in range(iters + 1):
         params = await p.service.pull.prefill.offer(f"r{i}", await prefilled(p, f"r{i}"), TOKENS, FIRST)
-        print(json.dumps(params.to_json()), flush=True)
+        print(json.dumps(params.to_wire()), flush=True)
     await asyncio.Event().wait()
 
 
@@ -180,7 +181,7 @@ async def two_process(iters: int) -> dict[str, list[Sample]]:
     try:
         assert child.stdout is not None
         port = int(child.stdout.readline())
-        params = [KVTransferParams.from_json(json.loads(child.stdout.readline()))
+        params = [KVTransferParams.from_wire(json.loads(child.stdout.readline()))
                   for _ in range(iters + 1)]
         d = await side("decode", "pull", 130)
         out: dict[str, list[Sample]] = {"raw TCP": [], "KV pull": []}

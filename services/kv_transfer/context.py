@@ -20,8 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.kv_transfer.codec import BufferPool
 from services.kv_transfer.config import KVTransferConfig
-from services.kv_transfer.handshake import KVIdentity, PeerRegistry
-from services.kv_transfer.peers import PeerClient
+from services.kv_transfer.handshake import KVIdentity, PeerClient, PeerRegistry
 from services.kv_transfer.store import CacheBlocks, KVBlockStore
 from shared.protocol.messages import TokenLogprobWire
 

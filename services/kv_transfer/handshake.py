@@ -1,4 +1,4 @@
-"""The KV handshake, both sides' checks: compat hash, negotiation, layer coverage, HMAC.
+"""The KV handshake, both sides: compat hash, negotiation, layer coverage, HMAC, peer client.
 
 Order of checks, on both sides of a handshake:
 1. the compat hash, before anything else in the body is parsed; a mismatch is a 409 naming
@@ -9,34 +9,50 @@ Order of checks, on both sides of a handshake:
    layers).
 With `allow_incompatible` a hash mismatch is logged loudly on every handshake instead.
 The server side keeps the engines that completed a handshake (`PeerRegistry`); the client
-side is services.kv_transfer.peers.
+side (`PeerClient`) handshakes with each peer and sends it every signed request.
 
 Before all of that, HMAC authentication (on when a secret is configured): every handshake and
 transfer request carries `X-PDMesh-KV-Timestamp` (unix seconds) and `X-PDMesh-KV-Signature`,
 hex HMAC-SHA256 over "timestamp\\nMETHOD\\npath\\n" + body. Binding method and path stops a
 signed body from being replayed on another route; the timestamp window bounds replays in
 time. Missing or wrong -> 401, checked before anything in the body is read.
+
+Client side: `PeerClient.connect(address, engine_id)` handshakes once per peer and caches the
+result; the cache entry is replaced when the engine id a caller expects (from
+kv_transfer_params or a push registration) differs from the cached one, i.e. the peer
+restarted. Transport failures become 502 `kv_peer_unreachable`; a peer's error envelope is
+re-raised as `PeerError`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
+import aiohttp
 from aiohttp import web
 
-from services.common.errors import AuthenticationError, ConflictError
-from shared.protocol.codec import EnvelopeReader, Message, seal
+from services.common.errors import (
+    AuthenticationError,
+    BadGatewayError,
+    ConflictError,
+    peer_error,
+)
+from shared.protocol.codec import EnvelopeReader, Message, ProtocolError, decode, seal
 from shared.protocol.compat import CompatFactors, diff_factors
 from shared.protocol.layout import LayerRange
-from shared.protocol.messages import NodeInfo
+from shared.protocol.messages import HandshakeAccepted, NodeInfo
 
 log = logging.getLogger("pdmesh.kv_transfer")
+R = TypeVar("R", bound=Message)
+MSGPACK = "application/msgpack"
 
 
 @dataclass(frozen=True)
@@ -300,3 +316,118 @@ def hmac_middleware(secret: bytes | None, max_skew_s: float) -> Any:
         return await handler(request)
 
     return kv_hmac
+
+
+# ---- client side ---------------------------------------------------------------------
+
+
+class HasIdentity(Protocol):
+    identity: KVIdentity
+
+
+class PeerClient:
+    """Talks to other KV services on behalf of this one (one aiohttp session, owned outside).
+
+    It reads `owner.identity` at each call, so the bound port recorded after construction
+    (ephemeral ports) is what peers see.
+    """
+
+    def __init__(self, owner: HasIdentity, http: aiohttp.ClientSession, secret: bytes | None,
+                 allow_incompatible: bool) -> None:
+        self._owner = owner
+        self._http = http
+        self._secret = secret
+        self._allow_incompatible = allow_incompatible
+        self._peers: dict[str, NodeInfo] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def connect(self, address: str, engine_id: str | None = None) -> NodeInfo:
+        """The peer's node facts after a (cached) successful handshake."""
+        lock = self._locks.setdefault(address, asyncio.Lock())
+        async with lock:  # concurrent first requests to one peer share one handshake
+            node = self._peers.get(address)
+            if node is not None and engine_id is not None and node.engine_id != engine_id:
+                log.info("KV peer %s changed engine id %s -> %s: handshaking again",
+                         address, node.engine_id, engine_id)
+                node = None
+            if node is None:
+                node = await self._handshake(address)
+                self._peers[address] = node
+        if engine_id is not None and node.engine_id != engine_id:
+            raise BadGatewayError(f"KV peer {address} is engine {node.engine_id}, not {engine_id}"
+                                  " (restarted: its blocks are gone)", code="kv_peer_restarted")
+        return node
+
+    @property
+    def identity(self) -> KVIdentity:
+        return self._owner.identity
+
+    def forget(self, address: str) -> None:
+        self._peers.pop(address, None)
+
+    async def _handshake(self, address: str) -> NodeInfo:
+        accepted = await self.call(address, "/kv/v1/handshake", self.identity.node,
+                                   HandshakeAccepted)
+        if accepted.compat_hash != self.identity.compat_hash:
+            # The server compared first; this catches a server run with allow_incompatible.
+            err = mismatch_error(self.identity, accepted.compat_hash, accepted.factors)
+            if not self._allow_incompatible:
+                raise err
+            log.warning("!!! KV HANDSHAKE WITH AN INCOMPATIBLE PEER %s: %s", address, err.message)
+        negotiate(self.identity.node, accepted.node)
+        return accepted.node
+
+    async def call(self, address: str, route: str, msg: Message, reply: type[R],
+                   trailing: memoryview | None = None) -> R:
+        """POST an envelope (plus raw trailing bytes) and decode the reply message."""
+        async with self.post(address, route, msg, trailing) as resp:
+            body = await resp.read()
+        try:
+            return decode(body, reply)
+        except ProtocolError as exc:
+            raise BadGatewayError(f"KV peer {address} sent a bad reply to {route}: {exc}",
+                                  code="kv_peer_protocol") from None
+
+    @asynccontextmanager
+    async def post(self, address: str, route: str, msg: Message,
+                   trailing: memoryview | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
+        """The open 200 response (for streaming); errors raised as KV errors."""
+        envelope = self.identity.seal(msg)
+        parts: list[bytes | memoryview] = [envelope] if trailing is None else [envelope, trailing]
+        headers = {"Content-Type": MSGPACK, **sign(self._secret, "POST", route, parts)}
+        data: bytes | aiohttp.Payload = envelope
+        if trailing is not None:  # no join: the payload goes out as its own write
+            data = _PartsPayload(parts)
+        try:
+            async with self._http.post(f"http://{address}{route}", data=data,
+                                       headers=headers) as resp:
+                if resp.status != 200:
+                    raise peer_error(resp.status, await resp.read(), address)
+                yield resp
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ServerDisconnectedError):
+                self.forget(address)  # the next attempt handshakes again
+            raise BadGatewayError(f"KV peer {address} unreachable on {route}: "
+                                  f"{type(exc).__name__}: {exc}",
+                                  code="kv_peer_unreachable") from None
+
+
+class _PartsPayload(aiohttp.Payload):
+    """A request body written as several buffers, without joining them (no big copy)."""
+
+    _autoclose = True  # memory only, nothing to close
+
+    def __init__(self, parts: list[bytes | memoryview]) -> None:
+        super().__init__(parts, content_type=MSGPACK)
+        self._parts = parts
+        self._size = sum(len(p) for p in parts)
+
+    async def write(self, writer: aiohttp.abc.AbstractStreamWriter) -> None:
+        for part in self._parts:
+            await writer.write(part)
+
+    async def as_bytes(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        return b"".join(self._parts)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        raise TypeError("binary KV payload")

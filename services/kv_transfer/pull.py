@@ -2,9 +2,9 @@
 
 Prefill worker, after a `hold_kv=True` request finished its prompt:
     params = await service.pull.prefill.offer(request_id, block_ids, num_tokens, first_token)
-    -> return params.to_json() as the response's `kv_transfer_params`
+    -> return params.to_wire() as the response's `kv_transfer_params`
     (on client abort afterwards: service.pull.prefill.abort(request_id), harmless if released)
-Decode worker, given those params (KVTransferParams.from_json):
+Decode worker, given those params (KVTransferParams.from_wire):
     kv = await service.pull.decode.fetch(params)   # verified KV in local blocks, lease released
     -> engine.add_request(..., prefilled=PrefilledKV(kv.block_ids, kv.num_tokens, ...))
 
@@ -47,13 +47,12 @@ from services.kv_transfer.codec import (
     iter_chunks,
 )
 from services.kv_transfer.context import KVContext, KVTransfer, PulledKV
+from services.kv_transfer.handshake import PeerClient
 from services.kv_transfer.lease import Lease, LeaseState, LeaseTable
-from services.kv_transfer.peers import PeerClient
 from shared.protocol.codec import FrameReader, ProtocolError, frame_header
 from shared.protocol.messages import (
     HeartbeatRequest,
     HeartbeatResult,
-    KVTransferParams,
     LeaseRef,
     NodeInfo,
     PullRequest,
@@ -64,6 +63,7 @@ from shared.protocol.messages import (
     TensorChunk,
     TokenLogprobWire,
 )
+from shared.protocol.pd import KVTransferParams
 
 log = logging.getLogger("pdmesh.kv_transfer")
 FRAMES = "application/x-pdmesh-kv-frames"

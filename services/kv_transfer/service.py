@@ -21,8 +21,7 @@ from prometheus_client import CollectorRegistry
 from services.common.errors import ConflictError
 from services.kv_transfer.config import KVTransferConfig
 from services.kv_transfer.context import KVContext, KVTransfer, KVTransferMetrics
-from services.kv_transfer.handshake import KVIdentity, PeerRegistry
-from services.kv_transfer.peers import PeerClient
+from services.kv_transfer.handshake import KVIdentity, PeerClient, PeerRegistry
 from services.kv_transfer.pull import PullTransfer
 from services.kv_transfer.push import PushTransfer
 from services.kv_transfer.store import CacheBlocks, KVBlockStore

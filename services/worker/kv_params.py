@@ -13,8 +13,15 @@ from typing import Any
 from services.common.errors import BadRequestError
 from services.worker.fields import Fields, invalid
 from shared.protocol.codec import ProtocolError
-from shared.protocol.messages import ROUTING_FLAGS, TRANSFER_MODES, KVTransferParams
-from shared.protocol.pd import PARAM, PrefillLegParams, PushDecodeParams, TransferMode
+from shared.protocol.messages import TRANSFER_MODES
+from shared.protocol.pd import (
+    PARAM,
+    ROUTING_FLAGS,
+    KVTransferParams,
+    PrefillLegParams,
+    PushDecodeParams,
+    TransferMode,
+)
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,7 @@ def parse_kv_transfer_params(value: Any) -> Leg | None:
         if transfer_id is not None:
             return _push_decode_leg(f, transfer_id)
         try:
-            return PullDecodeLeg(KVTransferParams.from_json(value))
+            return PullDecodeLeg(KVTransferParams.from_wire(value))
         except ProtocolError as exc:
             raise BadRequestError(f"Invalid value for '{PARAM}': {exc}", param=PARAM,
                                   code="kv_bad_params") from None

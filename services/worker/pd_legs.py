@@ -217,7 +217,7 @@ class PDLegs:
         if leg.transfer_id is None:
             params = await self.service.pull.prefill.offer(request_id, ids, len(prompt), first,
                                                    prompt_digest(prompt))
-            return params.to_json()
+            return params.to_wire()
         num_bytes = await self.service.push.prefill.send(leg.transfer_id, request_id, ids, len(prompt),
                                                  first, leg.decode_engine_id, state.stream)
         node = self.service.identity.node

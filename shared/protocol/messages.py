@@ -3,6 +3,8 @@
 Each class registers under its tag with the codec; requests travel inside an envelope
 (codec.seal), replies and stream frames as bare messages. Block ids are always the sender's
 own ids; a receiver never trusts them without checking them against its lease or slot.
+The JSON `kv_transfer_params` of the P/D contract (the pull lease included) are in
+shared.protocol.pd.
 """
 
 from __future__ import annotations
@@ -12,13 +14,11 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from shared.protocol.codec import Message, ProtocolError, from_fields, to_fields
+from shared.protocol.codec import Message
 from shared.protocol.layout import LayerRange, even_layer_ranges
 
 TRANSFER_MODES = ("pull", "push")
-ROUTING_FLAGS = frozenset({"do_remote_prefill", "do_remote_decode"})  # vLLM-style hints
 ROLES = ("prefill", "decode")
 # Wire dtype names and their item sizes (shared.protocol.tensors maps them to torch dtypes).
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1, "int32": 4, "int64": 8}
@@ -92,60 +92,6 @@ class TokenLogprobWire(Message, tag="token_logprob"):
     logprob: float | None = None
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class KVTransferParams(Message, tag="kv_params"):
-    """What a prefill returns (as JSON, under `kv_transfer_params`) and a decode consumes.
-
-    `lease_expiry` is wall-clock (time.time()) because it crosses hosts; `digests[i]` is the
-    digest of block `block_ids[i]` (see shared.protocol.tensors.block_digest).
-    `prompt_digest` (`prompt_digest()` of the prompt's token ids; empty: not given) lets the
-    decode check that the KV belongs to the prompt it was sent, not just to one as long.
-    """
-
-    transfer_mode: str
-    remote_engine_id: str
-    remote_host: str
-    remote_port: int
-    remote_request_id: str
-    lease_id: str
-    block_ids: list[int]
-    num_tokens: int
-    block_size: int
-    first_token: TokenLogprobWire
-    lease_expiry: float
-    digests: list[str]
-    compat_hash: str
-    prompt_digest: str = ""
-
-    def __post_init__(self) -> None:
-        if self.transfer_mode not in TRANSFER_MODES:
-            raise ValueError(f"unknown transfer_mode {self.transfer_mode!r}")
-        if self.num_tokens < 1 or self.block_size < 1:
-            raise ValueError("num_tokens and block_size must be >= 1")
-        if len(self.block_ids) != math.ceil(self.num_tokens / self.block_size):
-            raise ValueError(f"{len(self.block_ids)} block ids for {self.num_tokens} tokens "
-                             f"at block size {self.block_size}")
-        if len(self.digests) != len(self.block_ids):
-            raise ValueError("one digest per block is required")
-
-    @property
-    def remote_address(self) -> str:
-        return f"{self.remote_host}:{self.remote_port}"
-
-    def to_json(self) -> dict[str, Any]:
-        """The JSON object a prefill returns, with vLLM's routing flags for the router."""
-        return {**to_fields(self), "do_remote_prefill": True, "do_remote_decode": False}
-
-    @staticmethod
-    def from_json(data: object) -> KVTransferParams:
-        """Parse a JSON object; raises ProtocolError (a ValueError) on anything malformed.
-        The routing flags are accepted and dropped; any other unknown field is an error."""
-        if not isinstance(data, dict):
-            raise ProtocolError("kv_transfer_params must be an object")
-        fields = {k: v for k, v in data.items() if k not in ROUTING_FLAGS}
-        return from_fields(KVTransferParams, fields)
 
 
 def prompt_digest(token_ids: Sequence[int]) -> str:

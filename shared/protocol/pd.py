@@ -5,8 +5,8 @@ Shapes of `kv_transfer_params` (vLLM's routing flags, pdmesh's fields):
 - router -> prefill (`PrefillLegParams`): pull `{"do_remote_decode": true, "do_remote_prefill":
   false}`; push adds `"transfer_id"`, `"transfer_mode": "push"` (optionally the expected
   `"decode_engine_id"`).
-- prefill -> router -> decode, pull: `KVTransferParams` (shared.protocol.messages), passed on
-  verbatim; it carries `"do_remote_prefill": true`.
+- prefill -> router -> decode, pull (`KVTransferParams`): the prefill's lease on the prompt's
+  KV, passed on verbatim by the router; it carries `"do_remote_prefill": true`.
 - router -> decode, push (`PushDecodeParams`): `"transfer_id"`, the prefill's KV address
   `"remote_host"`/`"remote_port"` and `"remote_engine_id"`, `"do_remote_prefill": true`.
 - push prefill -> router (`PushPrefillResult`): what the push moved (for the client's report).
@@ -19,17 +19,20 @@ standard library and shared.protocol.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from shared.protocol.codec import ProtocolError, from_fields, to_fields
-from shared.protocol.messages import ROUTING_FLAGS, TokenLogprobWire
+from shared.protocol.codec import Message, ProtocolError, from_fields, to_fields
+from shared.protocol.messages import TRANSFER_MODES, TokenLogprobWire
 
 PD_VERSION = 1
 VERSION_FIELD = "pd_version"
 PARAM = "kv_transfer_params"  # the request/response field that carries the contract
+ROUTING_FLAGS = frozenset({"do_remote_prefill", "do_remote_decode"})  # vLLM-style hints
 PHASES_HEADER = "x-pdmesh-phases"  # per-phase timings (decode -> router -> client)
 
 
@@ -124,6 +127,58 @@ class PrefillLegParams:
             return PrefillLegParams(TransferMode(mode), transfer_id, f.get("decode_engine_id"))
         except ValueError as exc:
             raise ProtocolError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class KVTransferParams(Message, tag="kv_params"):
+    """Prefill -> router -> decode, pull: where the prompt's KV is leased and how to check it.
+
+    `lease_expiry` is wall-clock (time.time()) because it crosses hosts; `digests[i]` is the
+    digest of block `block_ids[i]` (see shared.protocol.tensors.block_digest).
+    `prompt_digest` (`prompt_digest()` of the prompt's token ids; empty: not given) lets the
+    decode check that the KV belongs to the prompt it was sent, not just to one as long.
+    """
+
+    transfer_mode: str
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_request_id: str
+    lease_id: str
+    block_ids: list[int]
+    num_tokens: int
+    block_size: int
+    first_token: TokenLogprobWire
+    lease_expiry: float
+    digests: list[str]
+    compat_hash: str
+    prompt_digest: str = ""
+
+    def __post_init__(self) -> None:
+        if self.transfer_mode not in TRANSFER_MODES:
+            raise ValueError(f"unknown transfer_mode {self.transfer_mode!r}")
+        if self.num_tokens < 1 or self.block_size < 1:
+            raise ValueError("num_tokens and block_size must be >= 1")
+        if len(self.block_ids) != math.ceil(self.num_tokens / self.block_size):
+            raise ValueError(f"{len(self.block_ids)} block ids for {self.num_tokens} tokens "
+                             f"at block size {self.block_size}")
+        if len(self.digests) != len(self.block_ids):
+            raise ValueError("one digest per block is required")
+
+    @property
+    def remote_address(self) -> str:
+        return f"{self.remote_host}:{self.remote_port}"
+
+    def to_wire(self) -> dict[str, Any]:
+        """The object a pull prefill returns, with vLLM's routing flags for the router."""
+        return {**to_fields(self), "do_remote_prefill": True, "do_remote_decode": False}
+
+    @staticmethod
+    def from_wire(data: object) -> KVTransferParams:
+        return from_fields(KVTransferParams, _fields(data, _PULL_FIELDS))
+
+
+_PULL_FIELDS = frozenset(f.name for f in dataclasses.fields(KVTransferParams))
 
 
 @dataclass(frozen=True)

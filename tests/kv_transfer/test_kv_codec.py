@@ -25,7 +25,6 @@ from shared.protocol.codec import (
 )
 from shared.protocol.messages import (
     HeartbeatRequest,
-    KVTransferParams,
     LeaseRef,
     NodeInfo,
     PullRequest,
@@ -33,6 +32,7 @@ from shared.protocol.messages import (
     TensorChunk,
     TokenLogprobWire,
 )
+from shared.protocol.pd import KVTransferParams
 from shared.protocol.tensors import (
     Box,
     RowDigester,
@@ -65,15 +65,15 @@ def test_messages_round_trip_including_nested() -> None:
 
 def test_params_json_round_trip_and_validation() -> None:
     p = params()
-    assert KVTransferParams.from_json(p.to_json()) == p
+    assert KVTransferParams.from_wire(p.to_wire()) == p
     with pytest.raises(ProtocolError):  # 2 blocks cannot hold 40 tokens at block size 16
-        KVTransferParams.from_json({**p.to_json(), "num_tokens": 40})
+        KVTransferParams.from_wire({**p.to_wire(), "num_tokens": 40})
     with pytest.raises(ProtocolError):
-        KVTransferParams.from_json({**p.to_json(), "block_ids": ["3", 9]})
+        KVTransferParams.from_wire({**p.to_wire(), "block_ids": ["3", 9]})
     with pytest.raises(ProtocolError):
-        KVTransferParams.from_json({**p.to_json(), "surprise": 1})
+        KVTransferParams.from_wire({**p.to_wire(), "surprise": 1})
     with pytest.raises(ProtocolError):
-        KVTransferParams.from_json(["not", "an", "object"])
+        KVTransferParams.from_wire(["not", "an", "object"])
 
 
 @pytest.mark.parametrize("data", [

@@ -15,7 +15,7 @@ from services.common.errors import ApiError
 from services.kv_transfer import codec
 from services.kv_transfer.codec import BlockSink
 from shared.protocol.codec import FrameReader
-from shared.protocol.messages import KVTransferParams
+from shared.protocol.pd import KVTransferParams
 from tests.support.clock import FakeClock
 from tests.support.kv import (
     FIRST,

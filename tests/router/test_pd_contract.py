@@ -14,6 +14,7 @@ from shared.protocol.messages import TokenLogprobWire
 from shared.protocol.pd import (
     PD_VERSION,
     ApiKind,
+    KVTransferParams,
     PrefillLegParams,
     PushDecodeParams,
     PushOverlap,
@@ -25,6 +26,8 @@ CASES = [
     PrefillLegParams(),
     PrefillLegParams(TransferMode.PUSH, "t-1", decode_engine_id="d"),
     PushDecodeParams("t-1", "10.0.0.2", 7001, "p"),
+    KVTransferParams("pull", "p", "10.0.0.2", 7001, "r-1", "l-1", [3, 9], 20, 16,
+                     TokenLogprobWire(5, -0.5, [5], [-0.5]), 1.5, ["a", "b"], "h" * 64, "d"),
     PushPrefillResult("t-1", "p", "10.0.0.2", 7001, 45, 4096,
                       TokenLogprobWire(5, -0.5, [5, 6], [-0.5, -1.5]), PushOverlap(3, 2, 0.25)),
 ]
