@@ -98,17 +98,20 @@ class Manifest:
             raise PrebuiltRefused(f"{path} is unreadable: {type(exc).__name__}: {exc}") from None
 
 
-def source_digest(csrc: Path, recipe: Path, variant: str = "") -> str:
+def source_digest(csrc: Path, recipe: Path, variant: str = "",
+                  extra: tuple[Path, ...] = ()) -> str:
     """sha256 over every C++ source and header under `csrc` (name and contents, name order),
-    the recipe file (the library's build.py: source list and flags) and the variant's name.
+    the `extra` headers it includes from elsewhere (kernels/csrc/native.h), the recipe file
+    (the library's build.py: source list and flags) and the variant's name.
 
     Paths enter as relative names, so a source tree and an installed package agree.
     """
     h = hashlib.sha256()
     files = sorted(p for p in csrc.rglob("*") if p.is_file() and p.suffix in SOURCE_SUFFIXES)
-    for path in [*files, recipe]:
+    named = [(p.relative_to(csrc.parent).as_posix(), p) for p in [*files, recipe]]
+    named += [(f"shared/{p.name}", p) for p in extra]
+    for name, path in named:
         data = path.read_bytes()
-        name = path.relative_to(csrc.parent).as_posix()
         h.update(f"{name}\0{len(data)}\0".encode() + data)
     h.update(variant.encode())
     return h.hexdigest()

@@ -207,8 +207,7 @@ def _prebuilt_status() -> str:
         dense = dense_build.peek()
     except Exception as exc:  # noqa: BLE001 - report, don't crash the doctor
         return f"unavailable: {exc}"
-    loaded = [(r.config.namespace, r) for r in mxfp4]
-    loaded += [(dense_build.NAMESPACE, dense)] if dense is not None else []
+    loaded = [(r.recipe.namespace, r) for r in [*mxfp4, *([dense] if dense else [])]]
     dirs = {str(r.config.prebuilt_dir) for _, r in loaded if r.config.prebuilt_dir is not None}
     if not dirs:
         return "none configured (PDMESH_KERNELS_DIR unset): native kernels are JIT-built"

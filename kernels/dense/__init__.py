@@ -16,24 +16,18 @@ issued and everything runs on torch.
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from kernels import tier
+from kernels._native import BackendUnavailableError, BuildInfo, Dispatch
 from kernels.dense.backend import (
+    FASTEST_FIRST,
     MAX_ROWS,
     Backend,
-    BackendUnavailableError,
     KernelPath,
-    cpu_tier,
     reference_linear,
-    runnable_backends,
-    unavailable_reason,
 )
-from kernels.dense.build import BuildConfig, BuildResult, BuildState, load, peek
+from kernels.dense.build import RECIPE, BuildConfig
 from kernels.dense.layer import (
     LayerGeometry,
     LayerWeights,
@@ -67,40 +61,18 @@ __all__ = [
     "reference_linear",
 ]
 
-_config: BuildConfig | None = None
-_config_lock = threading.Lock()
-_paths: dict[str | Backend | None, KernelPath] = {}  # resolved backend arguments
-
-
-def _forget_paths() -> None:
-    """The cap changed: backend=None must be resolved again (explicit names are not capped,
-    but clearing everything keeps this simple and cheap)."""
-    _paths.clear()
-
-
-tier.on_cap_change(_forget_paths)
+_dispatch: Dispatch[Backend, KernelPath] = Dispatch(
+    "dense", FASTEST_FIRST, lambda _config: RECIPE, BuildConfig.from_env, KernelPath, Backend)
 
 
 def configure(config: BuildConfig) -> None:
     """Choose the build directory; call before the first kernel use (the first build wins)."""
-    global _config
-    with _config_lock:
-        _config = config
-        _paths.clear()
-
-
-def _build() -> BuildResult:
-    global _config
-    with _config_lock:
-        if _config is None:
-            _config = BuildConfig.from_env()
-        config = _config
-    return load(config)
+    _dispatch.configure(config)
 
 
 def available_backends() -> list[str]:
     """Backends this machine can run, fastest first (builds the library on first call)."""
-    return [str(b) for b in runnable_backends(_build())]
+    return [str(b) for b in _dispatch.runnable(_dispatch.build())]
 
 
 def kernel_path(backend: str | Backend | None = None) -> KernelPath:
@@ -108,30 +80,7 @@ def kernel_path(backend: str | Backend | None = None) -> KernelPath:
 
     None: the fastest backend this CPU runs whose tier is at most kernels.tier.max_tier()
     (the reference at worst)."""
-    path = _paths.get(backend)
-    if path is None:
-        path = _resolve(backend)
-        _paths[backend] = path
-    return path
-
-
-def _resolve(backend: str | Backend | None) -> KernelPath:
-    build = _build()
-    runnable = runnable_backends(build)
-    if backend is None:
-        cap = tier.max_tier()
-        chosen = next(b for b in runnable if b.tier <= cap)
-    else:
-        try:
-            chosen = Backend(backend)
-        except ValueError:
-            names = ", ".join(repr(str(b)) for b in Backend)
-            raise ValueError(f"dense: unknown backend {backend!r}; expected None or one of {names}"
-                             ) from None
-        if chosen not in runnable:
-            raise BackendUnavailableError(
-                f"dense: backend {str(chosen)!r} is unavailable: {unavailable_reason(chosen, build)}")
-    return KernelPath(chosen, None if chosen is Backend.REFERENCE else build.library)
+    return _dispatch.path(backend)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -158,55 +107,6 @@ def decoder(backend: str | Backend | None = None) -> NativeDecoder | None:
     return native_decoder(kernel_path(backend))
 
 
-@dataclass(frozen=True)
-class BuildInfo:
-    """What `pdmesh doctor` can show: the build's state, the CPU's tier, the cap, and which
-    backend None picks (active)."""
-
-    state: str
-    build_dir: str
-    library: str | None
-    seconds: float
-    compiled: bool
-    error: str | None
-    available: tuple[str, ...]
-    active: str
-    cpu_tier: str | None  # the fastest tier this CPU runs (None: unknown, library not loaded)
-    max_tier: str  # kernels.tier's cap on automatic choice
-    prebuilt: bool = False  # loaded from BuildConfig.prebuilt_dir (`pdmesh kernels build`)
-
-    def __str__(self) -> str:
-        if self.state == BuildState.READY:
-            how = ("prebuilt" if self.prebuilt else f"compiled in {self.seconds:.1f} s"
-                   if self.compiled else "loaded from cache")
-            build = f"build ready ({how}) in {self.build_dir}"
-        elif self.state == BuildState.FAILED:
-            build = f"build failed: {self.error}"
-        else:
-            build = "build not attempted"
-        return (f"active={self.active} (cpu tier {self.cpu_tier or 'unknown'}, cap "
-                f"{self.max_tier}; available: {', '.join(self.available)}); {build}")
-
-
 def build_info(build: bool = True) -> BuildInfo:
     """Build state and active backend; build=False reports without compiling anything."""
-    result = _build() if build else peek()
-    if result is None:
-        result = BuildResult(_config or BuildConfig.from_env(), BuildState.NOT_BUILT)
-    runnable = runnable_backends(result)
-    cap = tier.max_tier()
-    lib = result.library
-    detected = cpu_tier(result)
-    return BuildInfo(
-        state=str(result.state),
-        build_dir=str(lib.path.parent if result.prebuilt and lib else result.config.build_dir),
-        library=None if lib is None else str(lib.path),
-        seconds=round(result.seconds, 3),
-        compiled=result.compiled,
-        error=result.error,
-        available=tuple(str(b) for b in runnable),
-        active=str(next(b for b in runnable if b.tier <= cap)),
-        cpu_tier=None if detected is None else detected.label,
-        max_tier=cap.label,
-        prebuilt=result.prebuilt,
-    )
+    return _dispatch.info(build)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.dense.build import BuildResult, Library
+from kernels._native import Library, path_id
 from kernels.tier import Tier
 
 MAX_ROWS = 32  # more rows (prefill) go to torch's matmul (oneDNN), which is compute-efficient
@@ -43,49 +43,11 @@ class Backend(StrEnum):
 
     @property
     def path_id(self) -> int:
-        """The C++ ops' `path` (csrc/dense.h); the same number names the tier in kernels.mxfp4."""
-        if self is Backend.REFERENCE:
-            raise ValueError("dense: the reference backend has no C++ code path")
-        return _PATH_IDS[self]
+        """The C++ ops' `path` (csrc/native.h); the reference has none (ValueError)."""
+        return path_id(self.tier)
 
 
-_PATH_IDS = {Backend.AVX512: 1, Backend.AVX2: 2, Backend.AVX512_BF16: 3}
 FASTEST_FIRST = (Backend.AVX512_BF16, Backend.AVX512, Backend.AVX2, Backend.REFERENCE)
-
-
-class BackendUnavailableError(RuntimeError):
-    """The requested backend cannot run here (library not built, or missing CPU features)."""
-
-
-def runnable_backends(build: BuildResult) -> tuple[Backend, ...]:
-    """Backends this process can run with this build, fastest first."""
-    lib = build.library
-    if lib is None:
-        return (Backend.REFERENCE,)
-    runs = {Backend.AVX512_BF16: lib.cpu_avx512 and lib.cpu_bf16, Backend.AVX512: lib.cpu_avx512,
-            Backend.AVX2: lib.cpu_avx2, Backend.REFERENCE: True}
-    return tuple(b for b in FASTEST_FIRST if runs[b])
-
-
-def cpu_tier(build: BuildResult) -> Tier | None:
-    """The fastest tier this CPU can run (None when the library, which detects it, did not
-    load)."""
-    if build.library is None:
-        return None
-    return runnable_backends(build)[0].tier
-
-
-def unavailable_reason(backend: Backend, build: BuildResult) -> str:
-    if build.library is None:
-        return f"the C++ library did not build ({build.error or build.state})"
-    lib = build.library
-    if backend is Backend.AVX2 and not lib.cpu_avx2:
-        return "this CPU lacks avx2/fma/f16c"
-    if not lib.cpu_avx512:
-        return "this CPU lacks avx512f/avx512bw/avx512vl/avx512dq"
-    if backend is Backend.AVX512_BF16:
-        return "this CPU lacks avx512_bf16"
-    return "unknown"
 
 
 def needs_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

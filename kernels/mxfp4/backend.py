@@ -12,8 +12,8 @@ from enum import StrEnum
 
 import torch
 
+from kernels._native import Library, path_id
 from kernels.mxfp4 import reference
-from kernels.mxfp4.build import BuildResult, Library
 from kernels.mxfp4.format import (
     check_dtype,
     check_linear,
@@ -47,10 +47,9 @@ class Backend(StrEnum):
 
     @property
     def path_id(self) -> int:
-        """The `path` argument of the C++ ops; the reference has none (ValueError)."""
-        if self is Backend.REFERENCE:
-            raise ValueError("mxfp4: the reference backend has no C++ path id")
-        return _PATH_IDS[self]
+        """The `path` argument of the C++ ops (csrc/native.h); the reference has none
+        (ValueError)."""
+        return path_id(self.tier)
 
 
 _TIERS = {
@@ -60,61 +59,7 @@ _TIERS = {
     Backend.AVX512: Tier.AVX512,
     Backend.AVX512_BF16: Tier.AVX512_BF16,
 }
-# The contract with csrc/ops.cpp (and kernels.dense's fused layer): keep these ids.
-_PATH_IDS = {Backend.SCALAR: 0, Backend.AVX512: 1, Backend.AVX2: 2, Backend.AVX512_BF16: 3}
-
 FASTEST_FIRST = tuple(sorted(Backend, key=lambda b: b.tier, reverse=True))
-
-
-class BackendUnavailableError(RuntimeError):
-    """The requested backend cannot run here (not built, compiled out, or missing CPU features)."""
-
-
-def runnable_backends(build: BuildResult) -> tuple[Backend, ...]:
-    """Backends this process can run with this build, fastest first (not capped by the tier)."""
-    return tuple(b for b in FASTEST_FIRST if _runnable(b, build.library))
-
-
-def _runnable(backend: Backend, lib: Library | None) -> bool:
-    if backend is Backend.REFERENCE:
-        return True
-    if lib is None:
-        return False
-    return {
-        Backend.SCALAR: True,
-        Backend.AVX2: lib.has_avx2_code and lib.cpu_avx2,
-        Backend.AVX512: lib.has_avx512_code and lib.cpu_avx512,
-        Backend.AVX512_BF16: lib.has_avx512_code and lib.cpu_bf16,
-    }[backend]
-
-
-def cpu_tier(lib: Library | None) -> Tier | None:
-    """The highest tier this CPU can execute (by its features; None: the library is not loaded)."""
-    if lib is None:
-        return None
-    if lib.cpu_bf16:
-        return Tier.AVX512_BF16
-    if lib.cpu_avx512:
-        return Tier.AVX512
-    return Tier.AVX2 if lib.cpu_avx2 else Tier.PORTABLE
-
-
-def unavailable_reason(backend: Backend, build: BuildResult) -> str:
-    """Why `backend` is not in runnable_backends(build)."""
-    lib = build.library
-    if lib is None:
-        return f"the C++ library did not build ({build.error or build.state})"
-    if backend is Backend.AVX2 and not lib.has_avx2_code:
-        return f"the {build.config.variant} build contains no AVX2 code"
-    if backend in (Backend.AVX512, Backend.AVX512_BF16) and not lib.has_avx512_code:
-        return f"the {build.config.variant} build contains no AVX-512 code"
-    if backend is Backend.AVX2 and not lib.cpu_avx2:
-        return f"this CPU cannot run the avx2 tier: it lacks {'/'.join(lib.missing_avx2_features())}"
-    if backend in (Backend.AVX512, Backend.AVX512_BF16) and not lib.cpu_avx512:
-        return f"this CPU cannot run the {backend} tier: it lacks avx512f/avx512bw/avx512vl/avx512dq"
-    if backend is Backend.AVX512_BF16 and not lib.cpu_bf16:
-        return "this CPU cannot run the avx512_bf16 tier: it lacks avx512_bf16"
-    return f"{backend} is runnable"
 
 
 def _cpu_only(*tensors: torch.Tensor | None) -> None:

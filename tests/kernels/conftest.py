@@ -6,8 +6,9 @@ from dataclasses import replace
 
 import pytest
 
+from kernels._native import runnable_backends, unavailable_reason
 from kernels.mxfp4 import Backend, BuildConfig, BuildState, KernelPath, Variant
-from kernels.mxfp4.backend import runnable_backends, unavailable_reason
+from kernels.mxfp4.backend import FASTEST_FIRST
 from kernels.mxfp4.build import BuildResult, load
 
 # Every compiled code path, one per tier of the full library, and the scalar-only library's one.
@@ -32,7 +33,7 @@ def cpp_path(request: pytest.FixtureRequest, builds: dict[Variant, BuildResult])
     assert lib is not None
     assert lib.has_avx2_code and lib.has_avx512_code or variant is Variant.SCALAR_ONLY
     backend = Backend.SCALAR if request.param == "scalar_only" else Backend(request.param)
-    if backend not in runnable_backends(result):
+    if backend not in runnable_backends(FASTEST_FIRST, result):
         reason = unavailable_reason(backend, result)
         assert reason.startswith("this CPU cannot run"), reason
         pytest.skip(reason)

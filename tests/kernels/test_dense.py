@@ -260,7 +260,7 @@ def test_ops_refuse_a_tier_this_cpu_cannot_run() -> None:
             ops.add_(x.clone(), x, path)
     for backend in Backend:
         if str(backend) not in info.available:
-            with pytest.raises(dense.BackendUnavailableError, match="this CPU lacks"):
+            with pytest.raises(dense.BackendUnavailableError, match="this CPU cannot run the .* tier"):
                 dense.kernel_path(backend)
 
 

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import kernels.mxfp4 as mxfp4
+from kernels import _native
+from kernels._native import runnable_backends, unavailable_reason
 from kernels.mxfp4 import (
     Backend,
     BackendUnavailableError,
@@ -21,10 +23,9 @@ from kernels.mxfp4 import (
     BuildState,
     KernelPath,
     Variant,
-    build,
     reference,
 )
-from kernels.mxfp4.backend import FASTEST_FIRST, cpu_tier, runnable_backends, unavailable_reason
+from kernels.mxfp4.backend import FASTEST_FIRST
 from kernels.mxfp4.build import BuildResult
 from kernels.tier import Tier, max_tier, set_max_tier
 
@@ -67,8 +68,8 @@ def test_available_backends_and_default(builds: dict[Variant, BuildResult]) -> N
     assert mxfp4.available_backends() == expected
     assert mxfp4.kernel_path().backend == next(b for b in expected if Backend(b).tier <= max_tier())
     assert mxfp4.kernel_path("reference") == KernelPath(Backend.REFERENCE)
-    assert runnable_backends(builds[Variant.SCALAR_ONLY]) == (Backend.SCALAR, Backend.REFERENCE)
-    assert cpu_tier(lib) == Backend(expected[0]).tier
+    assert runnable_backends(FASTEST_FIRST, builds[Variant.SCALAR_ONLY]) == (Backend.SCALAR, Backend.REFERENCE)
+    assert lib.cpu_tier() == Backend(expected[0]).tier
 
 
 def test_path_ids_and_tiers_are_the_contract() -> None:
@@ -77,7 +78,7 @@ def test_path_ids_and_tiers_are_the_contract() -> None:
         Backend.SCALAR: 0, Backend.AVX512: 1, Backend.AVX2: 2, Backend.AVX512_BF16: 3}
     assert [b.tier for b in FASTEST_FIRST] == sorted(Tier, reverse=True)
     assert Backend.SCALAR.tier is Tier.PORTABLE and Backend.REFERENCE.tier is Tier.REFERENCE
-    with pytest.raises(ValueError, match="no C\\+\\+ path id"):
+    with pytest.raises(ValueError, match="has no C\\+\\+ code path"):
         _ = Backend.REFERENCE.path_id
 
 
@@ -90,7 +91,7 @@ def restore_cap() -> Iterator[None]:
 
 def test_the_tier_cap_lowers_the_default_only(builds: dict[Variant, BuildResult],
                                               restore_cap: None) -> None:
-    runnable = runnable_backends(builds[Variant.FULL])
+    runnable = runnable_backends(FASTEST_FIRST, builds[Variant.FULL])
     for cap in Tier:
         set_max_tier(cap)
         expected = next(b for b in runnable if b.tier <= cap)
@@ -113,7 +114,7 @@ def test_build_info_reports_the_active_path(builds: dict[Variant, BuildResult]) 
     assert info.state == "ready" and info.variant == "full"
     assert info.active == mxfp4.kernel_path().backend
     assert info.available == tuple(mxfp4.available_backends())
-    assert info.cpu_tier == cpu_tier(lib).label and info.max_tier == max_tier().label
+    assert info.cpu_tier == lib.cpu_tier().label and info.max_tier == max_tier().label
     assert (info.cpu_avx2, info.cpu_avx512, info.cpu_avx512_bf16) == (
         lib.cpu_avx2, lib.cpu_avx512, lib.cpu_bf16)
     assert info.library is not None and Path(info.library).is_file()
@@ -126,7 +127,7 @@ def test_a_path_this_cpu_cannot_run_raises(builds: dict[Variant, BuildResult]) -
     full, scalar_only = builds[Variant.FULL], builds[Variant.SCALAR_ONLY]
     assert full.library is not None and scalar_only.library is not None
     w = torch.randn(2, 32)
-    for backend in set(Backend) - set(runnable_backends(full)):
+    for backend in set(Backend) - set(runnable_backends(FASTEST_FIRST, full)):
         with pytest.raises(RuntimeError, match="which this CPU lacks"):
             full.library.ops.quantize(w, backend.path_id)
         with pytest.raises(BackendUnavailableError, match="this CPU cannot run"):
@@ -159,9 +160,9 @@ def test_bad_backend_names_and_missing_features(builds: dict[Variant, BuildResul
 @pytest.fixture
 def fresh_state(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """Forget the loaded libraries and resolved paths for one test (restored afterwards)."""
-    monkeypatch.setattr(build, "_results", {})
-    monkeypatch.setattr(mxfp4, "_paths", {})
-    monkeypatch.setattr(mxfp4, "_config", None)
+    monkeypatch.setattr(_native, "_results", {})
+    monkeypatch.setattr(mxfp4._dispatch, "_paths", {})
+    monkeypatch.setattr(mxfp4._dispatch, "_config", None)
     mxfp4.configure(BuildConfig(build_root=tmp_path))
     return tmp_path
 
@@ -187,7 +188,7 @@ def test_compile_error_falls_back_to_reference(fresh_state: Path, monkeypatch: p
 
 
 def test_missing_compiler_is_reported(fresh_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(build.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(_native.shutil, "which", lambda _name: None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         info = mxfp4.build_info()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import prebuilt
+from kernels import _native, prebuilt
 from kernels.dense import build as dense_build
 from kernels.mxfp4 import build as mxfp4_build
 from kernels.prebuilt import Manifest, Platform, PrebuiltRefused
@@ -121,6 +121,19 @@ def test_each_library_and_variant_has_its_own_digest(tmp_path: Path) -> None:
     assert len(digests) == 3
 
 
+def test_the_shared_header_is_in_every_digest(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels/csrc/native.h is compiled into both libraries: editing it makes both stale."""
+    config = mxfp4_build.BuildConfig(tmp_path)
+    before = (mxfp4_build.source_digest(config), dense_build.source_digest())
+    header = tmp_path / "csrc" / "native.h"
+    header.parent.mkdir()
+    header.write_bytes((_native.SHARED_CSRC / "native.h").read_bytes() + b"\n")
+    monkeypatch.setattr(_native, "SHARED_CSRC", header.parent)
+    after = (mxfp4_build.source_digest(config), dense_build.source_digest())
+    assert after[0] != before[0] and after[1] != before[1]
+
+
 def test_from_env_reads_the_prebuilt_directory(monkeypatch: pytest.MonkeyPatch,
                                                tmp_path: Path) -> None:
     monkeypatch.setenv("PDMESH_KERNELS_DIR", str(tmp_path))
@@ -134,16 +147,23 @@ def test_from_env_reads_the_prebuilt_directory(monkeypatch: pytest.MonkeyPatch,
 @pytest.mark.parametrize("library", ["mxfp4", "dense"])
 def test_a_refused_prebuilt_falls_back_to_the_jit_build(library: str, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The loaders' fallback, without loading anything: the JIT build is a stand-in."""
-    module = mxfp4_build if library == "mxfp4" else dense_build
-    config = module.BuildConfig(build_root=tmp_path / "jit", prebuilt_dir=tmp_path / "empty")
-    jit = module.BuildResult(config, module.BuildState.FAILED, error="stand-in JIT build")
-    monkeypatch.setattr(module, "_jit_build", lambda _config: jit)
+    """The loader's fallback, without loading anything: the JIT build is a stand-in."""
+    config: _native.BuildConfig
+    if library == "mxfp4":
+        config = mxfp4_build.BuildConfig(build_root=tmp_path / "jit",
+                                         prebuilt_dir=tmp_path / "empty")
+        recipe = mxfp4_build.recipe(config)
+    else:
+        config = dense_build.BuildConfig(build_root=tmp_path / "jit",
+                                         prebuilt_dir=tmp_path / "empty")
+        recipe = dense_build.RECIPE
+    jit = _native.BuildResult(config, recipe, _native.BuildState.FAILED, error="stand-in JIT build")
+    monkeypatch.setattr(_native, "jit_build", lambda _recipe, _config: jit)
     with pytest.warns(RuntimeWarning, match="no manifest.json"):
-        result = module._build(config)
+        result = _native.build(recipe, config)
     assert result == dataclasses.replace(jit, prebuilt_refused=result.prebuilt_refused)
     assert "no manifest.json" in (result.prebuilt_refused or "") and not result.prebuilt
     without = dataclasses.replace(config, prebuilt_dir=None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no prebuilt configured: nothing to warn about
-        assert module._build(without) is jit
+        assert _native.build(recipe, without) is jit

@@ -19,26 +19,11 @@
 namespace pdmesh_dense {
 namespace {
 
-// features() bits.
-constexpr int64_t kCpuAvx512 = 1;  // the AVX-512 kernels run here (path 1)
-constexpr int64_t kCpuBf16 = 2;    // ... and so does the dpbf16 kernel (path 3)
-constexpr int64_t kCpuAvx2 = 4;    // the AVX2 + FMA + F16C kernels run here (path 2)
 // Below this many weight bytes per parallel chunk, a second thread costs more than it saves.
 constexpr int64_t kMinChunkBytes = int64_t{48} << 10;
 
-CpuSupport detect() {
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  return {avx2, avx512, avx512 && __builtin_cpu_supports("avx512bf16")};
-}
-
-int64_t features() {
-  const CpuSupport& s = cpu_support();
-  return (s.avx512 ? kCpuAvx512 : 0) | (s.bf16 ? kCpuBf16 : 0) | (s.avx2 ? kCpuAvx2 : 0);
-}
+// Every tier's code is compiled in (the kernel TUs hold it in target regions).
+int64_t features() { return pdmesh_native::feature_bits(true, true); }
 
 void check_inputs(const at::Tensor& x, const at::Tensor& w,
                   const std::optional<at::Tensor>& bias) {
@@ -58,20 +43,15 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w,
 
 }  // namespace
 
-const CpuSupport& cpu_support() {
-  static const CpuSupport support = detect();
-  return support;
-}
-
 const char* path_unavailable(int64_t path) {
-  const CpuSupport& s = cpu_support();
+  const CpuFeatures& s = cpu_features();
   switch (path) {
     case kPathAvx512:
       return s.avx512 ? nullptr : "this CPU lacks avx512f/avx512bw/avx512vl/avx512dq";
     case kPathAvx2:
-      return s.avx2 ? nullptr : "this CPU lacks avx2/fma/f16c";
+      return s.avx2_tier() ? nullptr : "this CPU lacks avx2/fma/f16c";
     case kPathAvx512Bf16:
-      return s.bf16 ? nullptr : "this CPU lacks avx512_bf16 (or avx512f/bw/vl/dq)";
+      return s.avx512_bf16 ? nullptr : "this CPU lacks avx512_bf16 (or avx512f/bw/vl/dq)";
     default:
       return "unknown code path (expected 1 avx512, 2 avx2 or 3 avx512_bf16)";
   }

@@ -207,8 +207,8 @@ const KernelTable kAvx2Table = {
 }  // namespace
 
 const KernelTable* avx2_table() {
-  const CpuFeatures cpu = cpu_features();
-  return cpu.avx2 && cpu.fma && cpu.f16c ? &kAvx2Table : nullptr;
+  const CpuFeatures& cpu = cpu_features();
+  return cpu.avx2_tier() ? &kAvx2Table : nullptr;
 }
 
 }  // namespace pdmesh_mxfp4

@@ -185,7 +185,7 @@ const KernelTable kAvx512Bf16Table = {
 const KernelTable* avx512_table() { return cpu_features().avx512 ? &kAvx512Table : nullptr; }
 
 const KernelTable* avx512_bf16_table() {
-  const CpuFeatures cpu = cpu_features();
+  const CpuFeatures& cpu = cpu_features();
   return cpu.avx512 && cpu.avx512_bf16 ? &kAvx512Bf16Table : nullptr;
 }
 

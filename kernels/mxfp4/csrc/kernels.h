@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "native.h"
+
 namespace pdmesh_mxfp4 {
 
 constexpr int64_t kBlock = 32;       // elements per block
@@ -65,24 +67,11 @@ static constexpr Bf16Table make_bf16_table() {
 }
 static constexpr Bf16Table kBf16Table = make_bf16_table();
 
-static inline float bits_to_f32(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-static inline uint32_t f32_to_bits(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  return bits;
-}
-
-// fp32 -> bf16, round to nearest even; NaN stays a quiet NaN (as c10::BFloat16 does).
-static inline uint16_t f32_to_bf16_rne(float f) {
-  const uint32_t bits = f32_to_bits(f);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
+using pdmesh_native::bits_to_f32;
+using pdmesh_native::cpu_features;
+using pdmesh_native::CpuFeatures;
+using pdmesh_native::f32_to_bf16_rne;
+using pdmesh_native::f32_to_bits;
 
 // Arguments of the fused y[m, n] = x[m, k] @ W[n, k].T (+ bias). Kernels are called on a range
 // of output columns [n0, n1) and write y[:, n0:n1] for all m rows.
@@ -122,15 +111,6 @@ struct KernelTable {
 };
 
 const KernelTable& scalar_table();
-
-// What this CPU reports (__builtin_cpu_supports, which also checks that the OS saves the
-// ymm/zmm state). All false off x86.
-struct CpuFeatures {
-  bool avx2, fma, f16c;  // the AVX2 tier needs all three
-  bool avx512;           // avx512f/bw/vl/dq
-  bool avx512_bf16;      // avx512_bf16 (vdpbf16ps), on top of avx512
-};
-CpuFeatures cpu_features();
 
 #ifndef PDMESH_MXFP4_SCALAR_ONLY
 // The AVX2 table (path 2), or nullptr when the CPU lacks avx2/fma/f16c.

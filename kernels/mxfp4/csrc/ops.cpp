@@ -23,31 +23,19 @@
 namespace pdmesh_mxfp4 {
 namespace {
 
-// features() bits: which kernels are compiled in, and what this CPU reports. The Python side
-// (kernels/mxfp4/build.py) mirrors them.
-constexpr int64_t kHasAvx512Code = 1;  // the AVX-512 TUs are compiled in
-constexpr int64_t kCpuAvx512 = 2;      // the CPU has avx512f/bw/vl/dq
-constexpr int64_t kCpuBf16 = 4;        // ... and avx512_bf16
-constexpr int64_t kHasAvx2Code = 8;    // the AVX2 TUs are compiled in
-constexpr int64_t kCpuAvx2 = 16;       // the CPU has avx2
-constexpr int64_t kCpuFma = 32;        // ... fma
-constexpr int64_t kCpuF16c = 64;       // ... f16c
 constexpr int64_t kStreamBytes = int64_t{8} << 20;  // non-temporal stores above this output size
 
-// Code paths (the `path` argument; kernels/mxfp4/backend.py's Backend.path_id).
-constexpr int64_t kPathScalar = 0;
-constexpr int64_t kPathAvx512 = 1;      // AVX-512 kernels, never vdpbf16ps
-constexpr int64_t kPathAvx2 = 2;
-constexpr int64_t kPathAvx512Bf16 = 3;  // AVX-512 kernels, vdpbf16ps for bf16 x
+using pdmesh_native::kPathAvx2;
+using pdmesh_native::kPathAvx512;
+using pdmesh_native::kPathAvx512Bf16;
+using pdmesh_native::kPathScalar;
 
 int64_t features() {
-  const CpuFeatures cpu = cpu_features();
-  int64_t bits = (cpu.avx512 ? kCpuAvx512 : 0) | (cpu.avx512_bf16 ? kCpuBf16 : 0) |
-                 (cpu.avx2 ? kCpuAvx2 : 0) | (cpu.fma ? kCpuFma : 0) | (cpu.f16c ? kCpuF16c : 0);
-#ifndef PDMESH_MXFP4_SCALAR_ONLY
-  bits |= kHasAvx512Code | kHasAvx2Code;
+#ifdef PDMESH_MXFP4_SCALAR_ONLY
+  return pdmesh_native::feature_bits(false, false);
+#else
+  return pdmesh_native::feature_bits(true, true);
 #endif
-  return bits;
 }
 
 const KernelTable& table_for(int64_t path) {

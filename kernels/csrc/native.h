@@ -1,0 +1,88 @@
+// What every native library of kernels/ (dense, mxfp4) shares: the code-path ids their ops take,
+// the scalar bf16 conversions, and the CPU detection behind their features() op, whose bits
+// kernels/_native.py reads (`Library`). Plain baseline C++: include it before any
+// `#pragma GCC target` region.
+//
+// Every function here is `static inline`: the kernel TUs compile their code for AVX-512 or AVX2,
+// and a helper with external (COMDAT) linkage could be merged by the linker into a copy built for
+// another target, which would then execute AVX-512/AVX2 code on a CPU without it.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace pdmesh_native {
+
+// Code paths (the `path` argument of the ops), one per kernels/tier.py rung; the Backend enums of
+// kernels/dense/backend.py and kernels/mxfp4/backend.py carry the same numbers.
+constexpr int64_t kPathScalar = 0;      // plain C++ (mxfp4 only; dense's reference is torch)
+constexpr int64_t kPathAvx512 = 1;      // AVX-512 F/BW/VL/DQ, fp32 FMA, never vdpbf16ps
+constexpr int64_t kPathAvx2 = 2;        // AVX2 + FMA + F16C, fp32 FMA
+constexpr int64_t kPathAvx512Bf16 = 3;  // as kPathAvx512, but vdpbf16ps for bf16 x
+
+// features() bits: which tiers' code the library contains, and what this CPU reports.
+constexpr int64_t kHasAvx512Code = 1;
+constexpr int64_t kCpuAvx512 = 2;  // avx512f/bw/vl/dq
+constexpr int64_t kCpuBf16 = 4;    // avx512_bf16
+constexpr int64_t kHasAvx2Code = 8;
+constexpr int64_t kCpuAvx2 = 16;
+constexpr int64_t kCpuFma = 32;
+constexpr int64_t kCpuF16c = 64;
+
+// What this CPU reports. __builtin_cpu_supports reads libgcc's cpuid results, which also record
+// whether the OS saves the ymm / zmm register state. All false off x86.
+struct CpuFeatures {
+  bool avx2, fma, f16c;  // the AVX2 tier needs all three
+  bool avx512;           // avx512f/bw/vl/dq
+  bool avx512_bf16;      // avx512_bf16 (vdpbf16ps), on top of avx512
+
+  bool avx2_tier() const { return avx2 && fma && f16c; }
+};
+
+static inline CpuFeatures detect_cpu_features() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return {__builtin_cpu_supports("avx2") != 0, __builtin_cpu_supports("fma") != 0,
+          __builtin_cpu_supports("f16c") != 0, avx512,
+          avx512 && __builtin_cpu_supports("avx512bf16")};
+#else
+  return {false, false, false, false, false};
+#endif
+}
+
+// Detected once per translation unit that asks (the answer never changes).
+static inline const CpuFeatures& cpu_features() {
+  static const CpuFeatures features = detect_cpu_features();
+  return features;
+}
+
+// The features() op's answer for a library that contains the given tiers' code.
+static inline int64_t feature_bits(bool has_avx2_code, bool has_avx512_code) {
+  const CpuFeatures& c = cpu_features();
+  return (has_avx512_code ? kHasAvx512Code : 0) | (c.avx512 ? kCpuAvx512 : 0) |
+         (c.avx512_bf16 ? kCpuBf16 : 0) | (has_avx2_code ? kHasAvx2Code : 0) |
+         (c.avx2 ? kCpuAvx2 : 0) | (c.fma ? kCpuFma : 0) | (c.f16c ? kCpuF16c : 0);
+}
+
+static inline float bits_to_f32(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+static inline uint32_t f32_to_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
+// fp32 -> bf16, round to nearest even; NaN stays a quiet NaN (as c10::BFloat16 does).
+static inline uint16_t f32_to_bf16_rne(float f) {
+  const uint32_t bits = f32_to_bits(f);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+}  // namespace pdmesh_native
