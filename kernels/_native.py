@@ -321,6 +321,20 @@ def unavailable_reason(backend: TieredBackend, build: BuildResult) -> str:
     return f"{name} is runnable"
 
 
+@dataclass(frozen=True)
+class NativePath(Generic[B]):
+    """One runnable backend of a library, the object its callers hold: the backend and the
+    loaded library, which is None exactly when the backend is the plain-torch reference.
+    Each library subclasses it with its operations."""
+
+    backend: B
+    library: Library | None = None
+
+    def __post_init__(self) -> None:
+        if (self.library is None) != (self.backend.tier is Tier.REFERENCE):
+            raise ValueError(f"backend {self.backend} needs library iff it is compiled")
+
+
 class BackendUnavailableError(RuntimeError):
     """The requested backend cannot run here (not built, compiled out, or missing CPU features)."""
 

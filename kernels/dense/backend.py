@@ -9,14 +9,13 @@ same inputs and returns the same dtype.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from kernels._native import Library, path_id
+from kernels._native import NativePath, path_id
 from kernels.tier import Tier
 
 MAX_ROWS = 32  # more rows (prefill) go to torch's matmul (oneDNN), which is compute-efficient
@@ -73,16 +72,8 @@ def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return F.linear(x.float(), weight.float(), b).to(x.dtype)
 
 
-@dataclass(frozen=True)
-class KernelPath:
-    """One runnable backend. library must be the loaded library unless backend is REFERENCE."""
-
-    backend: Backend
-    library: Library | None = None
-
-    def __post_init__(self) -> None:
-        if (self.library is None) != (self.backend is Backend.REFERENCE):
-            raise ValueError(f"dense: backend {self.backend} needs library iff it is compiled")
+class KernelPath(NativePath[Backend]):
+    """One runnable backend: the reference, or a compiled one with the loaded library."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                ) -> torch.Tensor:

@@ -7,12 +7,11 @@ None for the reference).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
 
-from kernels._native import Library, path_id
+from kernels._native import NativePath, path_id
 from kernels.mxfp4 import reference
 from kernels.mxfp4.format import (
     check_dtype,
@@ -68,16 +67,8 @@ def _cpu_only(*tensors: torch.Tensor | None) -> None:
             raise ValueError(f"mxfp4: the C++ kernels take CPU tensors, got one on {t.device}")
 
 
-@dataclass(frozen=True)
-class KernelPath:
-    """One runnable backend. library must be the loaded library unless backend is REFERENCE."""
-
-    backend: Backend
-    library: Library | None = None
-
-    def __post_init__(self) -> None:
-        if (self.library is None) != (self.backend is Backend.REFERENCE):
-            raise ValueError(f"mxfp4: backend {self.backend} needs library iff it is compiled")
+class KernelPath(NativePath[Backend]):
+    """One runnable backend: the reference, or a compiled one with the loaded library."""
 
     def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """w float [..., K] -> (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32])."""
