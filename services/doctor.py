@@ -155,7 +155,10 @@ def advise(facts: MachineFacts, override: str | None) -> Advice:
         return Advice(wanted, False, f"torch does not import; {why}", fix_commands(wanted))
     if facts.torch_variant is wanted:
         return Advice(wanted, True, f"torch {facts.torch_version} ({wanted.value}) fits: {why}")
-    reason = f"installed torch is a {facts.torch_variant.value} build but {why}"
+    installed = facts.torch_variant
+    if installed is None:  # torch_build names a variant whenever torch imports
+        raise ValueError(f"MachineFacts has torch {facts.torch_version} but no torch_variant")
+    reason = f"installed torch is a {installed.value} build but {why}"
     return Advice(wanted, False, reason, fix_commands(wanted))
 
 

@@ -61,7 +61,8 @@ class Projection:
         want = ((torch.bfloat16, 2) if dense else (torch.uint8, 3))
         if (self.weight.dtype, self.weight.dim()) != want or not self.weight.is_contiguous():
             raise ValueError(f"Projection.weight must be a contiguous {want[0]} {want[1]}-D tensor")
-        if not dense and (self.scales.dtype != torch.uint8 or not self.scales.is_contiguous()):
+        if self.scales is not None and (self.scales.dtype != torch.uint8
+                                        or not self.scales.is_contiguous()):
             raise ValueError("Projection.scales must be a contiguous uint8 tensor")
         bias_dtypes = (torch.bfloat16, torch.float32) if dense else (torch.float32,)
         if self.bias is not None and (self.bias.dtype not in bias_dtypes

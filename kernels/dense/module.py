@@ -37,7 +37,11 @@ class DenseLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, path: KernelPath) -> DenseLinear:
-        return cls(linear.weight, linear.bias, path)
+        weight = linear.weight  # torch annotates it as a Tensor; a Linear holds a Parameter
+        if not isinstance(weight, nn.Parameter):
+            raise TypeError(f"DenseLinear: the Linear's weight is a {type(weight).__name__}, "
+                            "not a Parameter")
+        return cls(weight, linear.bias, path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self._path_id is not None and x.dtype in X_DTYPES and x.dim() == 2

@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TypeGuard
 
 import aiohttp
 
@@ -93,23 +94,23 @@ def parse_pdmesh_info(raw: dict[str, object]) -> PdmeshInfo:
     """
     phases: dict[str, float] = {}
     for key, value in raw.items():
-        if key in NON_PHASE_KEYS or not _is_number(value):
-            continue
-        name, scale = (key[:-3], 1e-3) if key.endswith("_ms") else (
-            (key[:-2], 1.0) if key.endswith("_s") else (key, 1.0))
-        if name not in NON_PHASE_KEYS:
-            phases[name] = float(value) * scale
+        if key not in NON_PHASE_KEYS and _is_number(value):
+            name, scale = (key[:-3], 1e-3) if key.endswith("_ms") else (
+                (key[:-2], 1.0) if key.endswith("_s") else (key, 1.0))
+            if name not in NON_PHASE_KEYS:
+                phases[name] = float(value) * scale
     decision = raw.get("disagg_decision", raw.get("decision"))
     retries = raw.get("retries")
-    if not _is_number(retries) and _is_number(raw.get("attempts")):
-        retries = max(int(raw["attempts"]) - 1, 0)
+    attempts = raw.get("attempts")
+    if not _is_number(retries) and _is_number(attempts):
+        retries = max(int(attempts) - 1, 0)
     kv = raw.get("kv_bytes")
     return PdmeshInfo(phases, int(kv) if _is_number(kv) else None,
                       str(decision) if decision is not None else None,
                       int(retries) if _is_number(retries) else None)
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -202,6 +203,7 @@ class OpenAIClient:
             if st.first is None:
                 st.first = ts
             else:
+                assert st.last_text is not None  # set together with st.first
                 st.itl.append(ts - st.last_text)
             st.last_text = ts
             st.chunks += 1
@@ -261,7 +263,13 @@ def _finish(index: int, prompt: Prompt, st: _Stream, status: int | None,
     ok = st.error_type is None
     tokens, source = (st.usage_completion, "usage") if st.usage_completion is not None \
         else (st.chunks, "chunks")
-    assert not ok or st.first is not None
+    ttft_s: float | None = None
+    e2el_s: float | None = None
+    if ok:
+        # ok: a text chunk arrived, which set st.first and st.last_text.
+        assert st.first is not None and st.last_text is not None
+        ttft_s = st.first - st.sent
+        e2el_s = (st.end or st.last_text) - st.sent
     return RequestRecord(
         index=index,
         status=RequestStatus.OK if ok else RequestStatus.FAILED,
@@ -270,8 +278,8 @@ def _finish(index: int, prompt: Prompt, st: _Stream, status: int | None,
         output_len_requested=prompt.output_len,
         output_tokens=tokens if ok else 0,
         output_tokens_source=source,
-        ttft_s=st.first - st.sent if ok else None,
-        e2el_s=(st.end or st.last_text) - st.sent if ok else None,
+        ttft_s=ttft_s,
+        e2el_s=e2el_s,
         itl_s=tuple(st.itl) if ok else (),
         http_status=status,
         error_type=st.error_type,

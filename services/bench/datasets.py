@@ -152,9 +152,13 @@ def read_jsonl(path: Path) -> list[tuple[str | list[int], int | None]]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
-        prompt = obj.get("prompt") if isinstance(obj, dict) else None
-        ok_ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
-        if not (isinstance(prompt, str) and prompt) and not ok_ids:
+        raw = obj.get("prompt") if isinstance(obj, dict) else None
+        prompt: str | list[int]
+        if isinstance(raw, str) and raw:
+            prompt = raw
+        elif isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw):
+            prompt = raw
+        else:
             raise DatasetError(f"{path}:{lineno}: needs a non-empty \"prompt\" (text or token ids)")
         out = obj.get("output_len")
         if out is not None and (not isinstance(out, int) or out < 1):

@@ -126,9 +126,15 @@ def good_requests(records: Sequence[RequestRecord], slos_ms: dict[str, float]) -
         if r.status is not RequestStatus.OK:
             continue
         observed = {"ttft": r.ttft_s, "tpot": tpot_s(r) or 0.0, "e2el": r.e2el_s}
-        if all(observed[k] * 1000.0 <= slo for k, slo in slos_ms.items()):
+        if all(_within_slo(observed[k], slo, k) for k, slo in slos_ms.items()):
             good += 1
     return good
+
+
+def _within_slo(seconds: float | None, slo_ms: float, metric: str) -> bool:
+    if seconds is None:  # a completed request always has its ttft and e2el
+        raise ValueError(f"completed request without a {metric} timing")
+    return seconds * 1000.0 <= slo_ms
 
 
 def phase_stats(records: Sequence[RequestRecord]) -> dict[str, PhaseStats]:

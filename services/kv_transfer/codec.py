@@ -164,8 +164,13 @@ class StagingRing:
             if in_transport is None:
                 self._pool.put(buf)
             else:
-                self._pool.put(buf, lambda t=in_transport, left=written - end: t() <= left)
+                self._pool.put(buf, _drained_to(in_transport, written - end))
         self._bufs = [None] * len(self._bufs)
+
+
+def _drained_to(in_transport: Callable[[], int], left: int) -> Callable[[], bool]:
+    """A BufferPool ready test: the transport holds at most `left` bytes."""
+    return lambda: in_transport() <= left
 
 
 def iter_chunks(kv_cache: torch.Tensor, block_ids: list[int], geometry: CacheBlocks,

@@ -117,9 +117,9 @@ async def relay(resp: aiohttp.ClientResponse, worker_id: str, out: ClientStream,
         if not active and not _USAGE_OBJECT.search(data):
             await out.send_raw(data)
             continue
-        chunk: dict[str, Any] | None = _parse(worker_id, data)
-        if active:
-            chunk = skipper.apply(chunk)
+        parsed = _parse(worker_id, data)
+        # `active` implies a skipper; the None test restates it for the type checker.
+        chunk = skipper.apply(parsed) if active and skipper is not None else parsed
         if chunk is None:
             continue
         if isinstance(chunk.get("usage"), dict):

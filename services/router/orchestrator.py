@@ -15,10 +15,10 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -73,13 +73,18 @@ def backoff_delay(cfg: RetryConfig, attempt: int, rng: random.Random) -> float:
     return base * (1 + rng.uniform(-cfg.jitter, cfg.jitter))
 
 
-async def _race(main: Any, guard: asyncio.Task[Any]) -> Any:
+_T = TypeVar("_T")
+
+
+async def _race(main: Awaitable[_T], guard: asyncio.Task[Any]) -> _T:
     """Await `main`, unless `guard` fails first: then cancel `main` and raise guard's error."""
     task = asyncio.ensure_future(main)
     try:
         await asyncio.wait({task, guard}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done() and guard.done() and guard.exception() is not None:
-            raise guard.exception()
+        if not task.done() and guard.done():
+            error = guard.exception()
+            if error is not None:
+                raise error
         return await task
     finally:
         if not task.done():

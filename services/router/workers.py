@@ -100,17 +100,22 @@ class WorkerMetadata:
         if usage is None and capacity and used is not None:
             usage = used / capacity
         port = _get(doc, "kv_endpoint.port", "kv_transfer.port", "kv_port")
+        host = _get(doc, "kv_endpoint.host", "kv_transfer.host", "kv_host")
+        transfer_mode = _get(doc, "transfer_mode", "kv_transfer.mode", "compat_factors.transfer_mode")
+        if role == Role.PREFILL.value and transfer_mode == "push" and (host is None or port is None):
+            # The router hands this address to the decode leg; without it no push can pair.
+            raise MetadataError("a push-mode prefill worker must report its KV endpoint "
+                                "(kv_endpoint.host and kv_endpoint.port)")
         return WorkerMetadata(
             role=Role(role), model=model, compat_hash=compat_hash,
-            transfer_mode=_get(doc, "transfer_mode", "kv_transfer.mode",
-                               "compat_factors.transfer_mode"),
+            transfer_mode=transfer_mode,
             engine_id=_get(doc, "engine_id"), model_fingerprint=fingerprint,
             model_source=_get(doc, "model.source"),
             dtype=_get(doc, "dtype"), max_model_len=_get(doc, "max_model_len"),
             block_size=_get(doc, "block_size"),
             compat_factors=dict(_get(doc, "compat_factors", "kv_transfer.compat_factors",
                                      default={})),
-            kv_host=_get(doc, "kv_endpoint.host", "kv_transfer.host", "kv_host"),
+            kv_host=host,
             kv_port=int(port) if port is not None else None,
             kv_capacity_blocks=capacity, kv_usage=float(usage or 0.0),
             running=int(_get(doc, "load.num_running", "load.running", default=0)),

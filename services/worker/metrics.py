@@ -35,7 +35,7 @@ class EngineStatsCollector(Collector):
         self._engine = engine
         self._model = model_name
 
-    def _families(self) -> list[Metric]:
+    def _families(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
         g = [GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"]) for name, doc in (
             ("num_requests_running", "Number of requests in model execution batches."),
             ("num_requests_waiting", "Number of requests waiting to be processed."),

@@ -121,7 +121,8 @@ def parse_common(f: Fields) -> CommonFields:
     include_usage = options.boolean("include_usage", False) if options else False
     if options is not None:
         options.boolean("continuous_usage_stats", False)  # accepted, not implemented
-    if f.has("logit_bias") and f.obj("logit_bias").data:
+    logit_bias = f.obj("logit_bias")
+    if logit_bias is not None and logit_bias.data:
         raise invalid("logit_bias", "logit_bias is not supported")
     response_format = f.obj("response_format")
     if response_format is not None:

@@ -63,10 +63,11 @@ async def list_models(request: web.Request) -> web.Response:
     service = _service(request)
     config = service.config
     created = request.app[STARTED_AT_KEY]
-    data = [{"id": name, "object": "model", "created": created, "owned_by": "pdmesh",
-             "root": config.engine.model, "parent": None,
-             "max_model_len": service.engine.max_model_len, "permission": []}
-            for name in config.model_names]
+    data: list[dict[str, Any]] = [
+        {"id": name, "object": "model", "created": created, "owned_by": "pdmesh",
+         "root": config.engine.model, "parent": None,
+         "max_model_len": service.engine.max_model_len, "permission": []}
+        for name in config.model_names]
     return json_response({"object": "list", "data": data})
 
 
@@ -77,6 +78,7 @@ async def tokenize(request: web.Request) -> web.Response:
     f = Fields(body)
     service.resolve_model(f.string("model", None))
     builder = service.prompts
+    text: str | None
     if body.get("messages") is not None:
         messages = list(parse_messages(body["messages"]))
         text = builder.render_chat(messages, f.boolean("add_generation_prompt", True), None)

@@ -18,7 +18,7 @@ _EXPORTS = {
     "EngineDeadError": "shared.engine.async_engine",
     "EngineState": "shared.engine.async_engine",
     "LLMEngine": "shared.engine.engine",
-    "EngineStats": "shared.engine.engine",
+    "EngineStats": "shared.engine.stats",
     "PrefilledKV": "shared.engine.request",
     "SamplingParams": "shared.engine.sampling_params",
     "RequestOutput": "shared.engine.outputs",
@@ -33,11 +33,12 @@ __all__ = [
 
 if TYPE_CHECKING:
     from shared.engine.async_engine import AsyncEngine, EngineDeadError, EngineState
-    from shared.engine.engine import EngineStats, LLMEngine
+    from shared.engine.engine import LLMEngine
     from shared.engine.llm import LLM, CompletionOutput, GenerationOutput
     from shared.engine.outputs import FinishReason, RequestOutput, TokenLogprob
     from shared.engine.request import PrefilledKV
     from shared.engine.sampling_params import SamplingParams
+    from shared.engine.stats import EngineStats
 
 
 def __getattr__(name: str) -> Any:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from shared.config import EngineConfig
-from shared.engine.engine import EngineStats, LLMEngine
+from shared.engine.engine import LLMEngine
 from shared.engine.kv_connector import (
     AsyncKVConnector,
     KVRequestOptions,
@@ -38,6 +38,7 @@ from shared.engine.kv_connector import (
 from shared.engine.kv_stream import KVProgress
 from shared.engine.outputs import FinishReason, RequestOutput
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.stats import EngineStats
 from shared.model.config import ModelConfig
 from shared.model.tokenizer import Tokenizer
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,28 +24,13 @@ from shared.engine.request import PrefilledKV, Request, RequestStatus
 from shared.engine.runner import CacheRunner, CausalLM, KVGeometry, ModelRunner
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
+from shared.engine.stats import EngineStats
 from shared.model.config import ModelConfig
 from shared.model.quant import QuantConfig, QuantMethod
 from shared.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 NON_FINITE_LOGITS = "the model produced NaN or infinite logits for this request"
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot for /metrics and the router (kv_usage is a 0..1 fraction)."""
-
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    block_size: int
-    num_held_blocks: int
 
 
 class LLMEngine:

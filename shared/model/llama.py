@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -164,11 +165,11 @@ class DecoderLayer(nn.Module):
         dense bf16 nor MXFP4 on the full library's code path mxfp4_path (the one the fused
         block calls), or the model is not bf16."""
         attn, mlp = self.self_attn, self.mlp
-        projections = [_projection(m, mxfp4_path) for m in (attn.qkv_proj, attn.o_proj,
-                                                            mlp.gate_up_proj, mlp.down_proj)]
-        if any(p is None for p in projections):
+        qkv, o, gate_up, down = (_projection(m, mxfp4_path)
+                                 for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                           mlp.down_proj))
+        if qkv is None or o is None or gate_up is None or down is None:
             return None
-        qkv, o, gate_up, down = projections
         try:
             return LayerWeights(ln1=self.input_layernorm.weight, qkv=qkv, o=o,
                                 ln2=self.post_attention_layernorm.weight, gate_up=gate_up,
@@ -259,14 +260,19 @@ class LlamaForCausalLM(nn.Module):
         if not native.supports(self.geometry):
             return 0
         self.native = native
-        for layer in self.layers:
+        for layer in self._decoder_layers:
             layer.fused = layer.native_weights(native.mxfp4_path)
-        fused = [layer.fused for layer in self.layers if layer.fused is not None]
+        fused = [layer.fused for layer in self._decoder_layers if layer.fused is not None]
         # Every layer fused: the whole stack runs as one native call per step.
         self._fused_stack = ([t for w in fused for t in w.as_list()]
                              if len(fused) == len(self.layers) else None)
         self._stack_packed = any(w.packed for w in fused)
         return len(fused)
+
+    @property
+    def _decoder_layers(self) -> Sequence[DecoderLayer]:
+        """self.layers, typed: __init__ fills that ModuleList with DecoderLayers only."""
+        return cast("Sequence[DecoderLayer]", self.layers)
 
     @property
     def num_local_layers(self) -> int:
@@ -292,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
         if self._fused_stack is not None and fuses(self._stack_packed, h.shape[0]):
             native.decoder_layers(h, kv_cache, cos_sin, tables, self._fused_stack, self.geometry)
         else:
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self._decoder_layers):
                 h = layer.forward_native(h, cos_sin, kv_cache[i], tables, native, self.geometry)
         if self.norm is None:
             return h
@@ -390,6 +396,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _slice_bounds(self, param_name: str, part: int) -> tuple[int, int]:
         c = self.config
+        sizes: tuple[int, ...]
         if "qkv_proj" in param_name:
             sizes = (c.q_size, c.kv_size, c.kv_size)
         else:
@@ -405,7 +412,7 @@ class LlamaForCausalLM(nn.Module):
             lo, hi = (0, module.out_features) if part is None else self._slice_bounds(param_name, part)
             module.load(attr, src, lo, hi, name)
             return
-        dest = self.get_parameter(param_name)
+        dest: torch.Tensor = self.get_parameter(param_name)
         if part is not None:
             lo, hi = self._slice_bounds(param_name, part)
             dest = dest.narrow(0, lo, hi - lo)

@@ -151,6 +151,11 @@ class MXFP4Linear(nn.Module):
     has x's dtype; accumulation is fp32.
     """
 
+    # The buffers registered in __init__ (nn.Module.__getattr__ serves them at run time; these
+    # annotations give them their type).
+    weight_blocks: torch.Tensor
+    weight_scales: torch.Tensor
+
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  path: mxfp4.KernelPath, scratch: DequantScratch) -> None:
         super().__init__()

@@ -44,12 +44,20 @@ _bind_addr = "127.0.0.1"  # set by join_group before the backend is created
 
 def _create_gloo(store: dist.Store, rank: int, size: int,
                  timeout: timedelta) -> dist.ProcessGroupGloo:
-    opts = dist.ProcessGroupGloo._Options()
+    # torch's stub lists `Options` (and a constructor without options); the binding is _Options.
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = timeout
     # Bind gloo's pairs to the store's address (loopback), not whatever the host name
     # resolves to, so no stage listens on an outside interface.
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_bind_addr)]
     return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
+def _posted(work: dist.Work | None) -> Work:
+    """An isend/irecv's Work: torch returns None only to a rank outside the group."""
+    if work is None:
+        raise PipelineError("a point-to-point operation was not posted (rank not in the group)")
+    return work
 
 
 def bind_listener(addr: str, port: int) -> socket.socket:
@@ -157,7 +165,7 @@ class StageChannel:
             raise PipelineError(f"rank {self.rank}: {what} failed: {exc}") from exc
 
     def _post_sends(self, tensors: list[torch.Tensor], dst: int, tag: int) -> None:
-        works = [dist.isend(t, dst, tag=tag) for t in tensors]
+        works = [_posted(dist.isend(t, dst, tag=tag)) for t in tensors]
         self._sends.append((works, tensors))
         while self._sends and (len(self._sends) > self.max_outstanding
                                or all(w.is_completed() for w in self._sends[0][0])):
@@ -194,7 +202,8 @@ class StageChannel:
         self._require(self.rank > 0, "receive forward")
         src = self.rank - 1
         pre = torch.empty(PREAMBLE_LEN, dtype=torch.int64)
-        self._wait(dist.irecv(pre, src, tag=TAG_FORWARD), "waiting for a step", idle=True)
+        self._wait(_posted(dist.irecv(pre, src, tag=TAG_FORWARD)), "waiting for a step",
+                   idle=True)
         kind, lane, header_len, num_tokens, blob_len = pre.tolist()
         parts: list[torch.Tensor] = []
         if header_len:
@@ -203,7 +212,7 @@ class StageChannel:
             parts.append(torch.empty(num_tokens, self.hidden_size, dtype=self.dtype))
         if blob_len:
             parts.append(torch.empty(blob_len, dtype=torch.uint8))
-        for work in [dist.irecv(p, src, tag=TAG_FORWARD) for p in parts]:
+        for work in [_posted(dist.irecv(p, src, tag=TAG_FORWARD)) for p in parts]:
             self._wait(work, "receiving a step")
         self._count(Counter.FORWARD_RECEIVED)
         it = iter(parts)
@@ -227,7 +236,7 @@ class StageChannel:
         self._require(self.rank == 0 and self.rank != self.last, "receive sampled tokens")
         assert spec.num_rows > 0, "a step that samples nothing posts no receive"
         buffer = spec.empty()
-        work = dist.irecv(buffer, self.last, tag=TAG_TOKENS_BASE + lane)
+        work = _posted(dist.irecv(buffer, self.last, tag=TAG_TOKENS_BASE + lane))
         self._count(Counter.TOKEN_RECVS_POSTED)
         return TokenHandoff(work, buffer, spec, lane=lane, step=step, timeout_s=self.timeout_s,
                             ledger=ledger)

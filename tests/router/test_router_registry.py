@@ -18,7 +18,8 @@ ADMIN = {"Authorization": "Bearer admin-secret"}
 
 def _md(role: str, compat_hash: str, mode: str) -> WorkerMetadata:
     return WorkerMetadata.parse({"role": role, "model": {"id": "m"}, "compat_hash": compat_hash,
-                                 "transfer_mode": mode})
+                                 "transfer_mode": mode,
+                                 "kv_endpoint": {"host": "127.0.0.1", "port": 7001}})
 
 
 def test_groups_pair_only_within_one_hash():
@@ -174,3 +175,16 @@ def test_malformed_metadata_is_a_metadata_error():
                  "kv_endpoint": {"port": "x"}}):
         with pytest.raises(MetadataError):
             WorkerMetadata.parse(doc)
+
+
+def test_a_push_prefill_without_a_kv_endpoint_is_a_metadata_error():
+    """The router gives the decode leg the prefill's KV address: a push prefill must report it
+    (a pull prefill puts it in each response, so it need not)."""
+    base = {"role": "prefill", "model": "m", "compat_hash": "h", "transfer_mode": "push"}
+    with pytest.raises(MetadataError, match="KV endpoint"):
+        WorkerMetadata.parse(base)
+    with pytest.raises(MetadataError, match="KV endpoint"):
+        WorkerMetadata.parse({**base, "kv_endpoint": {"host": "10.0.0.1"}})
+    meta = WorkerMetadata.parse({**base, "kv_endpoint": {"host": "10.0.0.1", "port": 7001}})
+    assert (meta.kv_host, meta.kv_port) == ("10.0.0.1", 7001)
+    assert WorkerMetadata.parse({**base, "transfer_mode": "pull"}).kv_port is None

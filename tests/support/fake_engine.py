@@ -19,6 +19,7 @@ from typing import Any
 from shared.config import EngineConfig
 from shared.engine.outputs import FinishReason, RequestMetrics, RequestOutput, TokenLogprob
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.stats import EngineStats
 
 EOS, BOS = 256, 257
 
@@ -64,19 +65,6 @@ def fake_token(prompt: Sequence[int], position: int, seed: int | None) -> int:
 
 
 @dataclass
-class FakeStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    block_size: int
-
-
-@dataclass
 class FakeEngine:
     """Implements the AsyncEngine interface the worker uses.
 
@@ -117,10 +105,11 @@ class FakeEngine:
     def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
 
-    def stats(self) -> FakeStats:
+    def stats(self) -> EngineStats:
         used = sum(self.blocks.values())
-        return FakeStats(len(self.blocks), 0, self.num_total_blocks - used, self.num_total_blocks,
-                         used / self.num_total_blocks, 0, 0, 0, self.block_size)
+        return EngineStats(len(self.blocks), 0, self.num_total_blocks - used,
+                           self.num_total_blocks, used / self.num_total_blocks, 0, 0, 0,
+                           self.block_size, num_held_blocks=0)
 
     def _finish(self, params: SamplingParams, token: int, text: str, step: int) -> tuple[FinishReason | None, Any, str]:
         if step + 1 < params.min_tokens:

@@ -1,0 +1,25 @@
+"""EngineStats: the engine's load snapshot, as /metrics, /v1/metadata and the router read it.
+
+A module of its own (standard library only) so that the worker's engine protocol and test
+doubles can name the type without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for /metrics and the router (kv_usage is a 0..1 fraction)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    block_size: int
+    num_held_blocks: int
