@@ -1,6 +1,6 @@
 """Model geometry: one frozen `ModelConfig` normalised from any supported HF `config.json`.
 
-HF configs come flat (Llama, Qwen2, Mistral) or with the language model nested under
+HF configs come flat (Llama, Qwen2, Mistral, Qwen3) or with the language model nested under
 `text_config` (multimodal checkpoints). Both become the same `ModelConfig`; a field set in both
 places with different values is refused, so a checkpoint never loads with the wrong geometry.
 Defaults for absent keys follow the HF config class of each architecture.
@@ -19,6 +19,7 @@ ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "Qwen3ForCausalLM": "qwen3",
 }
 _BY_MODEL_TYPE = {v: k for k, v in ARCHITECTURES.items()}
 
@@ -30,6 +31,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
               "num_key_value_heads": 32, "sliding_window": 4096},
     "mistral": {"max_position_embeddings": 4096 * 32, "bos_token_id": 1, "eos_token_id": 2,
                 "num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen3": {"max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
+              "num_key_value_heads": 32, "sliding_window": 4096, "head_dim": 128},
 }
 _COMMON_DEFAULTS: dict[str, Any] = {
     "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
@@ -54,8 +57,10 @@ _TEXT_KEYS = _REQUIRED + (
 class ModelConfig:
     """The geometry and constants of one Llama-family decoder, whatever the HF layout.
 
-    `attention_bias` means q/k/v projections carry a bias (Qwen2 always; Llama when its
-    `attention_bias` is set); `attention_out_bias` means o_proj does too (Llama only).
+    `attention_bias` means q/k/v projections carry a bias (Qwen2 always; Llama and Qwen3 when
+    their `attention_bias` is set); `attention_out_bias` means o_proj does too (Llama, Qwen3).
+    `qk_norm` (Qwen3) RMS-normalises every query and key head over head_dim before RoPE, with
+    one learnt weight per projection; its head_dim is its own, not hidden_size / heads.
     `eos_token_ids` is always a tuple (HF allows an int or a list). `torch_dtype` is the
     checkpoint's declared storage dtype, informational only.
     """
@@ -74,6 +79,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     attention_out_bias: bool = False
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -121,7 +127,7 @@ class ModelConfig:
         heads = int(cfg["num_attention_heads"])
         max_pos = int(cfg["max_position_embeddings"])
         _refuse_sliding_window(model_type, cfg, max_pos)
-        qkv_bias = model_type == "qwen2" or (model_type == "llama" and bool(cfg["attention_bias"]))
+        own_bias = model_type in ("llama", "qwen3") and bool(cfg["attention_bias"])
         return ModelConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -135,8 +141,9 @@ class ModelConfig:
             rope=RopeConfig.from_hf(cfg, max_pos),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
-            attention_bias=qkv_bias,
-            attention_out_bias=model_type == "llama" and bool(cfg["attention_bias"]),
+            attention_bias=model_type == "qwen2" or own_bias,
+            attention_out_bias=own_bias,
+            qk_norm=model_type == "qwen3",
             bos_token_id=None if cfg["bos_token_id"] is None else int(cfg["bos_token_id"]),
             eos_token_ids=_token_ids(cfg["eos_token_id"]),
             torch_dtype=_dtype_name(cfg.get("torch_dtype") or cfg.get("dtype")),
@@ -184,8 +191,8 @@ def _refuse_sliding_window(model_type: str, cfg: Mapping[str, Any], max_pos: int
     """Raise if any layer would use a sliding window shorter than the context."""
     window = cfg.get("sliding_window")
     layer_types = list(cfg.get("layer_types") or [])
-    if model_type == "qwen2" and not layer_types:
-        # HF Qwen2: layers >= max_window_layers slide, only when use_sliding_window is set.
+    if model_type in ("qwen2", "qwen3") and not layer_types:
+        # HF Qwen2/3: layers >= max_window_layers slide, only when use_sliding_window is set.
         start = int(cfg.get("max_window_layers", 28))
         if cfg.get("use_sliding_window") and int(cfg["num_hidden_layers"]) > start:
             layer_types = ["sliding_attention"]

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, Qwen2, Mistral) in plain torch, over the paged KV cache.
+"""The Llama-family decoder (Llama, Qwen2, Mistral, Qwen3) in plain torch, over the paged KV cache.
 
 Hot-path shape conventions: T = number of new tokens in the batch (all sequences packed,
 sequence-major), H / KVH = query / kv heads, D = head_dim. q, k and v come out of one fused
@@ -51,6 +51,8 @@ _LAYER_PARAMS: dict[str, tuple[str, int | None]] = {
     "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
     "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
     "mlp.down_proj.weight": ("mlp.down_proj.weight", None),
+    "self_attn.q_norm.weight": ("self_attn.q_norm.weight", None),  # Qwen3 (qk_norm)
+    "self_attn.k_norm.weight": ("self_attn.k_norm.weight", None),
     "input_layernorm.weight": ("input_layernorm.weight", None),
     "post_attention_layernorm.weight": ("post_attention_layernorm.weight", None),
 }
@@ -79,7 +81,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Fused-qkv self-attention with RoPE, reading and writing one layer of the paged cache."""
+    """Fused-qkv self-attention with RoPE, reading and writing one layer of the paged cache.
+    With config.qk_norm (Qwen3), each query and key head is RMS-normalised before RoPE."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -91,15 +94,22 @@ class Attention(nn.Module):
                                   bias=config.attention_bias, dtype=dtype)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size,
                                 bias=config.attention_out_bias, dtype=dtype)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
+        qk = qkv[:, : self.qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # [T, H | KVH, D], over D
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]),
+                            self.k_norm(qk[:, self.num_heads:])), dim=1)
         # Rotate q and k together: one RoPE application over H + KVH heads.
-        qk = RotaryEmbedding.apply(
-            qkv[:, : self.qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
-            cos, sin)
+        qk = RotaryEmbedding.apply(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_layer, meta, self.scale)  # [T, H, D]
@@ -253,11 +263,11 @@ class LlamaForCausalLM(nn.Module):
 
         Only for bf16 models over a bf16 KV cache (forward checks the cache each step and
         runs the plain-torch path otherwise, which stays the oracle). A head layout the kernels
-        do not take leaves the model on plain torch (returns 0).
+        do not take, or QK-norm (Qwen3), leaves the model on plain torch (returns 0).
         """
         if self.dtype != torch.bfloat16:
             raise ValueError(f"native decode kernels need a bf16 model, not {self.dtype}")
-        if not native.supports(self.geometry):
+        if not native.supports(self.geometry) or self.config.qk_norm:  # no QK-norm kernel yet
             return 0
         self.native = native
         for layer in self._decoder_layers:

@@ -52,7 +52,7 @@ class ModelSpec:
     num_kv_heads: int | None = None
     head_dim: int | None = None
     tie_word_embeddings: bool = True
-    attention_bias: bool = False  # llama only; qwen2 always has q/k/v bias
+    attention_bias: bool = False  # llama and qwen3; qwen2 always has q/k/v bias
     rope_theta: float = 10000.0
     rope_type: str = "default"
     rope_factor: float = 4.0
@@ -111,7 +111,9 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     }
     if spec.arch == "llama":
         cfg.update(attention_bias=spec.attention_bias, mlp_bias=False)
-    if spec.arch in ("qwen2", "mistral"):
+    if spec.arch == "qwen3":
+        cfg.update(attention_bias=spec.attention_bias)
+    if spec.arch in ("qwen2", "mistral", "qwen3"):
         cfg.update(sliding_window=None, use_sliding_window=False)
     scaling = _rope_scaling(spec)
     if spec.rope_keys == "legacy":
@@ -148,7 +150,7 @@ def random_weights(spec: ModelSpec, cfg: dict[str, Any]) -> dict[str, torch.Tens
 
     rows = spec.rows
     w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(rows, hidden, std=1.0)}
-    qkv_bias = spec.arch == "qwen2" or (spec.arch == "llama" and spec.attention_bias)
+    qkv_bias = spec.arch == "qwen2" or (spec.arch in ("llama", "qwen3") and spec.attention_bias)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = 1.0 + normal(hidden, std=0.1)
@@ -157,8 +159,11 @@ def random_weights(spec: ModelSpec, cfg: dict[str, Any]) -> dict[str, torch.Tens
             w[p + f"self_attn.{name}.weight"] = proj(size, hidden)
             if qkv_bias:
                 w[p + f"self_attn.{name}.bias"] = normal(size, std=0.5)
+        if spec.arch == "qwen3":
+            for name in ("q_norm", "k_norm"):
+                w[p + f"self_attn.{name}.weight"] = 1.0 + normal(cfg["head_dim"], std=0.1)
         w[p + "self_attn.o_proj.weight"] = proj(hidden, q)
-        if spec.arch == "llama" and spec.attention_bias:
+        if spec.arch in ("llama", "qwen3") and spec.attention_bias:
             w[p + "self_attn.o_proj.bias"] = normal(hidden, std=0.1)
         w[p + "mlp.gate_proj.weight"] = proj(inter, hidden)
         w[p + "mlp.up_proj.weight"] = proj(inter, hidden)

@@ -123,6 +123,21 @@ def test_qwen2_always_has_qkv_bias_and_no_o_bias() -> None:
     assert llama.attention_bias and llama.attention_out_bias
 
 
+def test_qwen3_has_qk_norm_its_own_head_dim_and_hf_defaults() -> None:
+    """Qwen3: QK-norm always, head_dim from the config (HF's default 128 when absent, not
+    hidden / heads), q/k/v and o biases only with attention_bias; checked against HF's own
+    Qwen3Config."""
+    qwen3 = {k: v for k, v in LLAMA.items() if k != "architectures"} | {"model_type": "qwen3"}
+    m = ModelConfig.from_hf({**qwen3, "architectures": ["Qwen3ForCausalLM"]})
+    assert m.qk_norm and m.head_dim == 128 and not m.attention_bias and not m.attention_out_bias
+    assert our_view(m) == hf_view(qwen3)
+    explicit = ModelConfig.from_hf({**qwen3, "head_dim": 24, "attention_bias": True})
+    assert (explicit.head_dim, explicit.q_size, explicit.kv_size) == (24, 96, 48)
+    assert explicit.attention_bias and explicit.attention_out_bias
+    assert our_view(explicit) == hf_view({**qwen3, "head_dim": 24, "attention_bias": True})
+    assert not ModelConfig.from_hf(LLAMA).qk_norm
+
+
 def test_explicit_head_dim_and_mqa() -> None:
     m = ModelConfig.from_hf({**LLAMA, "head_dim": 32, "num_key_value_heads": 1})
     assert (m.head_dim, m.num_kv_heads, m.q_size, m.kv_size) == (32, 1, 128, 32)
@@ -134,6 +149,8 @@ def test_explicit_head_dim_and_mqa() -> None:
     {"model_type": "mistral"},  # HF's Mistral default window is 4096 < 131072
     {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 128,
      "max_window_layers": 1},
+    {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 128,
+     "max_window_layers": 0},
     {"model_type": "llama", "sliding_window": 64, "layer_types": ["sliding_attention"] * 2},
 ])
 def test_sliding_window_smaller_than_context_is_refused(extra: dict) -> None:
@@ -150,6 +167,7 @@ def test_sliding_window_smaller_than_context_is_refused(extra: dict) -> None:
     {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 128},
     {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 128,
      "max_window_layers": 2},  # no layer at or past max_window_layers
+    {"model_type": "qwen3", "sliding_window": 128},  # HF Qwen3: use_sliding_window is False
 ])
 def test_harmless_sliding_window_settings_load(extra: dict) -> None:
     m = ModelConfig.from_hf({**LLAMA, "architectures": None, **extra})

@@ -25,6 +25,10 @@ CASES: dict[str, dict[str, object]] = {
     "untied_small": {"preset": "small", "tie_word_embeddings": False},
     "llama_attention_bias": {"attention_bias": True, "tie_word_embeddings": False},
     "mistral": {"arch": "mistral", "tie_word_embeddings": False},
+    # QK-norm, and a head_dim (24) that is not hidden / heads (16).
+    "qwen3_qk_norm": {"arch": "qwen3", "tie_word_embeddings": False, "head_dim": 24},
+    "qwen3_bias_mqa": {"arch": "qwen3", "attention_bias": True, "num_kv_heads": 1,
+                       "tie_word_embeddings": False, "seed": 4},
     "rope_llama3": {"rope_type": "llama3", "rope_factor": 8.0, "rope_keys": "v5"},
     "rope_linear": {"rope_type": "linear", "rope_factor": 4.0},
     # max_position_embeddings 16: the generate test decodes far past it, where NTK kicks in.

@@ -1,0 +1,50 @@
+"""Every model family through pipeline parallelism: PP=2 gives the one-process engine's tokens.
+
+One small random checkpoint per family beyond Llama (whose run is test_equivalence.py); the
+family's own HF parity is tests/model/test_llama_vs_hf.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.model.make_model import ModelSpec, write_checkpoint
+from shared.model.registry import resolve_model
+from shared.pipeline.engine import PipelineEngine
+from tests.support.engine import random_prompts, run_engine
+from tests.support.pipeline import (
+    assert_quiescent,
+    engine_config,
+    greedy,
+    pipeline_config,
+    reference,
+)
+
+FAMILIES = {
+    # QK-norm and a head_dim (48) that is not hidden / heads (32).
+    "qwen3": ModelSpec(arch="qwen3", preset="small", tie_word_embeddings=False, head_dim=48,
+                       seed=3),
+}
+CHUNKED = {"max_num_batched_tokens": 24}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tokenizer_dir = resolve_model("smollm2-135m-instruct", progress=False)
+    return write_checkpoint(tmp_path_factory.mktemp(f"pp-{request.param}"),
+                            FAMILIES[request.param], tokenizer_dir)
+
+
+@pytest.mark.timeout(60)
+def test_pp2_matches_one_process(family_ckpt: Path) -> None:
+    prompts = random_prompts([3, 17, 40, 29], seed=7)
+    params = [greedy(n) for n in (12, 7, 10, 9)]
+    expected = reference(family_ckpt, prompts, params, **CHUNKED)
+    assert len({t for out in expected.values() for t in out.token_ids}) > 4  # input-dependent
+    with PipelineEngine(engine_config(family_ckpt, **CHUNKED), pipeline_config(2)) as engine:
+        got = run_engine(engine, prompts, params)
+        assert {i: o.token_ids for i, o in got.items()} == {
+            i: o.token_ids for i, o in expected.items()}
+        assert_quiescent(engine)
