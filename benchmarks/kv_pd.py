@@ -34,6 +34,8 @@ from typing import Any
 
 import aiohttp
 
+from shared.protocol.pd import PrefillLegParams, PushDecodeParams, TransferMode
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
 PATH = "/v1/completions"
@@ -101,7 +103,7 @@ async def mixed(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) 
 async def pull(session: aiohttp.ClientSession, p: str, d: str, body: dict[str, Any]) -> dict:
     start = time.perf_counter()
     pre, _ = await _json(session, p, {**body, "max_tokens": 1,
-                                      "kv_transfer_params": {"do_remote_decode": True}})
+                                      "kv_transfer_params": PrefillLegParams().to_wire()})
     ttft = time.perf_counter() - start
     _, phases = await _json(session, d, {**body, "kv_transfer_params": pre["kv_transfer_params"]})
     return {"ttft": ttft, "total": time.perf_counter() - start,
@@ -111,10 +113,8 @@ async def pull(session: aiohttp.ClientSession, p: str, d: str, body: dict[str, A
 async def push(session: aiohttp.ClientSession, p: str, d: str, meta: dict[str, Any],
                body: dict[str, Any]) -> dict:
     tid = uuid.uuid4().hex
-    to_p = {"do_remote_decode": True, "transfer_id": tid, "transfer_mode": "push"}
-    to_d = {"do_remote_prefill": True, "transfer_id": tid, "transfer_mode": "push",
-            "remote_engine_id": meta["engine_id"],
-            "remote_host": meta["kv_host"], "remote_port": meta["kv_port"]}
+    to_p = PrefillLegParams(TransferMode.PUSH, tid).to_wire()
+    to_d = PushDecodeParams(tid, meta["kv_host"], meta["kv_port"], meta["engine_id"]).to_wire()
     start, stamps = time.perf_counter(), {}
 
     async def leg(url: str, leg_body: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,10 @@ from pathlib import Path
 
 import aiohttp
 
+from shared.protocol.pd import PrefillLegParams
+
+PULL_PREFILL = PrefillLegParams().to_wire()  # the prefill leg of a pull P/D request
+
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_SERVE = "tests.support.fake_serve"  # run with -m from ROOT
 
@@ -100,7 +104,7 @@ class Paths:
         start = time.perf_counter()
         if name == "pd/direct":
             pre = await self._post(self.urls["prefill"], {
-                **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+                **body, "max_tokens": 1, "kv_transfer_params": PULL_PREFILL})
             await self._post(self.urls["decode"], {
                 **body, "kv_transfer_params": pre.get("kv_transfer_params")})
         else:
@@ -114,7 +118,7 @@ class Paths:
         if name == "pd/direct":
             pre = await self._post(self.urls["prefill"], {
                 **body, "stream": False, "max_tokens": 1,
-                "kv_transfer_params": {"do_remote_decode": True}})
+                "kv_transfer_params": PULL_PREFILL})
             first = time.perf_counter()  # the client holds the first token now
             body = {**body, "kv_transfer_params": pre.get("kv_transfer_params")}
             url, skip = self.urls["decode"], 1

@@ -17,6 +17,8 @@ from typing import Any
 
 import aiohttp
 
+from shared.protocol.pd import PrefillLegParams, PushDecodeParams, TransferMode
+
 # The real-model P/D checks (pd and pipeline tests): a chat and a long, chunked completion.
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_REQUESTS = [
@@ -99,7 +101,7 @@ async def dispatch_pull(session: aiohttp.ClientSession, prefill: str, decode: st
                         path: str, body: dict[str, Any]) -> Answer:
     """Prefill, then decode. A client gone after the prefill answered gets the prefill's lease
     aborted (in the background: we are being cancelled), as a router does."""
-    pre = await post(session, prefill + path, prefill_body(body, {"do_remote_decode": True}))
+    pre = await post(session, prefill + path, prefill_body(body, PrefillLegParams().to_wire()))
     if pre.status != 200:
         return pre
     params = pre.body["kv_transfer_params"]
@@ -130,10 +132,9 @@ async def dispatch_push(session: aiohttp.ClientSession, prefill: str, decode: st
                         path: str, body: dict[str, Any], prefill_meta: dict[str, Any]) -> Answer:
     """Both legs at once; a failed decode cancels the prefill leg (as the router does)."""
     tid = uuid.uuid4().hex
-    to_p = {"do_remote_decode": True, "transfer_id": tid, "transfer_mode": "push"}
-    to_d = {"do_remote_prefill": True, "transfer_id": tid, "transfer_mode": "push",
-            "remote_engine_id": prefill_meta["engine_id"],
-            "remote_host": prefill_meta["kv_host"], "remote_port": prefill_meta["kv_port"]}
+    to_p = PrefillLegParams(TransferMode.PUSH, tid).to_wire()
+    to_d = PushDecodeParams(tid, prefill_meta["kv_host"], prefill_meta["kv_port"],
+                            prefill_meta["engine_id"]).to_wire()
     pre = asyncio.ensure_future(post(session, prefill + path, prefill_body(body, to_p)))
     try:
         answer = await post(session, decode + path, {**body, "kv_transfer_params": to_d})
