@@ -185,6 +185,27 @@ def component_status() -> list[tuple[str, str]]:
     return rows
 
 
+def architecture_status(model: str | None) -> list[tuple[str, str]]:
+    """The architectures the engine runs, and which one `model` would use (or why it is
+    refused); resolving a model name may convert the embedded GGUF once, never downloads."""
+    try:
+        from shared.model.config import ARCHITECTURES
+    except Exception as exc:  # noqa: BLE001 - report, don't crash the doctor
+        return [("architectures", f"unavailable: {exc}")]
+    rows = [("architectures", ", ".join(f"{arch} ({kind})" for arch, kind in ARCHITECTURES.items()))]
+    if model is None:
+        return rows
+    try:
+        from shared.model.loader import read_config
+        from shared.model.registry import resolve_model
+
+        config = read_config(resolve_model(model, progress=False))
+    except Exception as exc:  # noqa: BLE001 - the refusal is the answer
+        return [*rows, ("model arch", f"{model}: REFUSED: {exc}")]
+    return [*rows, ("model arch", f"{model}: {config.architecture} ({config.model_type}), "
+                                  f"{config.num_layers} layers, head_dim {config.head_dim}")]
+
+
 def _dense_status() -> str:
     """kernels.dense: the GEMV build, and which bf16 decode path the engine will take."""
     try:

@@ -168,3 +168,28 @@ def test_cpu_tier_agrees_with_the_kernel_library_own_detection():
         assert cpu_tier() is detected
     else:
         assert cpu_tier() < Tier.AVX2
+
+
+# ---- architectures: what the engine runs, and what a given --model would use ----------------
+
+def test_doctor_lists_architectures_and_names_the_models(capsys, monkeypatch, make_checkpoint,
+                                                         tmp_path):
+    from shared.model.config import ARCHITECTURES
+
+    monkeypatch.delenv("PDMESH_TORCH_VARIANT", raising=False)
+    qwen3 = make_checkpoint(arch="qwen3", head_dim=24)
+    main(["doctor", "--skip-components", "--model", str(qwen3)])
+    out = capsys.readouterr().out
+    listed = next(line for line in out.splitlines() if line.startswith("architectures"))
+    assert all(f"{arch} ({kind})" in listed for arch, kind in ARCHITECTURES.items())
+    row = next(line for line in out.splitlines() if line.startswith("model arch"))
+    assert "Qwen3ForCausalLM (qwen3)" in row and "head_dim 24" in row, row
+    # An architecture the engine does not run is refused by name, not loaded as another.
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], '
+                                      '"model_type": "gpt2"}')
+    main(["doctor", "--skip-components", "--model", str(gpt2)])
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("model arch"))
+    assert "REFUSED" in row and "GPT2LMHeadModel" in row, row

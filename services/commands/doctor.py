@@ -13,6 +13,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--skip-components", action="store_true",
                         help="skip the kernels build and model checks (fast)")
+    parser.add_argument("--model", default=None,
+                        help="also say which architecture this model (name or path) would run "
+                             "as, or why it is refused")
     parser.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
                         help="report as a worker with this cap would run (default: "
                              "$PDMESH_KERNEL_TIER, else auto)")
@@ -20,7 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kernels.tier import set_max_tier
-    from services.doctor import OverrideRefused, advise, component_status, gather_facts
+    from services.doctor import (
+        OverrideRefused,
+        advise,
+        architecture_status,
+        component_status,
+        gather_facts,
+    )
     from shared.config import auto_dtype, kernel_tier_from_env
     from shared.kernel_tiers import kernel_tiers
 
@@ -49,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
     tiers = kernel_tiers(libraries=not args.skip_components, build=True)
     print(f"kernel tier  {tiers} (requested: {requested})")
     print(f"dtype auto   {auto_dtype(requested)} (what serve, up and generate default to here)")
+    rows = architecture_status(args.model)
     if not args.skip_components:
-        for name, state in component_status():
-            print(f"{name:<12} {state}")
+        rows = [*component_status(), *rows]
+    for name, state in rows:
+        print(f"{name:<12} {state}")
     return 0 if advice.ok else 1
