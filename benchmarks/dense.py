@@ -135,7 +135,8 @@ def load_engine(model: str, threads: int, path: str) -> object:
     if path == "native":
         engine = LLMEngine.from_config(config)
     else:
-        model_dir = resolve_model(model, config.resolved_cache_dir)
+        model_dir = resolve_model(model, config.resolved_cache_dir,
+                                  revision=config.revision, hub_cache=config.hf_hub_cache)
         model_, model_config = load_model(model_dir, "bfloat16")
         if path == "dense":
             print(f"  accelerate_linears swapped {dense.accelerate_linears(model_)} linears")

@@ -185,7 +185,7 @@ def component_status() -> list[tuple[str, str]]:
     return rows
 
 
-def architecture_status(model: str | None) -> list[tuple[str, str]]:
+def architecture_status(model: str | None, revision: str | None = None) -> list[tuple[str, str]]:
     """The architectures the engine runs, and which one `model` would use (or why it is
     refused); resolving a model name may convert the embedded GGUF once, never downloads."""
     try:
@@ -199,7 +199,7 @@ def architecture_status(model: str | None) -> list[tuple[str, str]]:
         from shared.model.loader import read_config
         from shared.model.registry import resolve_model
 
-        config = read_config(resolve_model(model, progress=False))
+        config = read_config(resolve_model(model, progress=False, revision=revision))
     except Exception as exc:  # noqa: BLE001 - the refusal is the answer
         return [*rows, ("model arch", f"{model}: REFUSED: {exc}")]
     return [*rows, ("model arch", f"{model}: {config.architecture} ({config.model_type}), "

@@ -1,12 +1,14 @@
 """Engine configuration: frozen dataclasses built once (from CLI flags or kwargs) and passed down.
 
 Nothing below `services/*/__main__` or `services/cli` reads environment variables; they are
-read here (`PDMESH_CACHE`, `PDMESH_KERNEL_TIER`), at configuration time, and by the CLI parsers.
+read here (`PDMESH_CACHE`, `PDMESH_KERNEL_TIER`, the Hugging Face cache's `HF_HUB_CACHE`,
+`HF_HOME`...), at configuration time, and by the CLI parsers.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,37 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 def default_cache_dir() -> Path:
     """`PDMESH_CACHE`, else ~/.cache/pdmesh. Read here, at configuration time only."""
     return Path(os.environ.get("PDMESH_CACHE") or Path.home() / ".cache" / "pdmesh")
+
+
+# Where huggingface_hub keeps downloaded repositories, by precedence (its `constants.py`):
+# HF_HUB_CACHE, the legacy HUGGINGFACE_HUB_CACHE, $HF_HOME/hub, $XDG_CACHE_HOME/huggingface/hub,
+# ~/.cache/huggingface/hub.
+HF_HUB_CACHE_ENV = "HF_HUB_CACHE"
+HF_HUB_CACHE_ENVS = (HF_HUB_CACHE_ENV, "HUGGINGFACE_HUB_CACHE")
+HF_HOME_ENV = "HF_HOME"
+
+
+def _expand(value: str, env: Mapping[str, str]) -> Path:
+    """`~` and `$VAR` / `${VAR}` expanded as huggingface_hub does (os.path.expanduser and
+    expandvars), the variables taken from `env`; unknown ones are left as they are."""
+    expanded = re.sub(r"\$(\w+)|\$\{(\w+)\}",
+                      lambda m: env.get(m.group(1) or m.group(2), m.group(0)), value)
+    return Path(expanded).expanduser()
+
+
+def hf_hub_cache_from_env(environ: Mapping[str, str] | None = None) -> Path:
+    """The local Hugging Face hub cache, found as huggingface_hub finds it (`environ` defaults
+    to os.environ): HF_HUB_CACHE, else HUGGINGFACE_HUB_CACHE, else $HF_HOME/hub, else
+    $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub. An empty variable counts
+    as unset. Read here, at configuration time only; pdmesh only reads this cache."""
+    env = os.environ if environ is None else environ
+    for name in HF_HUB_CACHE_ENVS:
+        if env.get(name):
+            return _expand(env[name], env)
+    if env.get(HF_HOME_ENV):
+        return _expand(env[HF_HOME_ENV], env) / "hub"
+    xdg = env.get("XDG_CACHE_HOME")
+    return (_expand(xdg, env) if xdg else Path.home() / ".cache") / "huggingface" / "hub"
 
 
 def parse_kernel_tier(name: str) -> str:
@@ -70,7 +103,10 @@ class EngineConfig:
     kv_cache_memory_bytes is the KV-cache budget; the number of blocks is derived from it and
     the model geometry. max_model_len None means the checkpoint's own limit. dtype "auto" is
     resolved at construction (auto_dtype: the fastest on this CPU at this kernel tier); the
-    field then holds the concrete dtype.
+    field then holds the concrete dtype. A `model` of the form org/name that is no local
+    directory is read from the Hugging Face cache `hf_hub_cache` at `revision` (a branch or
+    tag under refs/, or a full commit hash; None: "main"), never downloaded
+    (shared.model.registry.resolve_model).
     """
 
     model: str = DEFAULT_MODEL
@@ -91,9 +127,15 @@ class EngineConfig:
     # The highest kernel tier automatic dispatch may pick ("auto": the CPU's best). Defaults to
     # PDMESH_KERNEL_TIER so that every engine of the process (serve, LLM, benchmarks) honours it.
     kernel_tier: str = field(default_factory=kernel_tier_from_env)
+    # An org/name model from the local Hugging Face cache: its revision (None: "main") and the
+    # cache directory (defaults to HF_HUB_CACHE, HF_HOME... like huggingface_hub).
+    revision: str | None = None
+    hf_hub_cache: Path = field(default_factory=hf_hub_cache_from_env)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kernel_tier", parse_kernel_tier(self.kernel_tier))
+        if self.revision is not None and not self.revision.strip():
+            raise ValueError("revision must be a branch, tag or commit hash, got an empty one")
         if self.dtype == "auto":
             object.__setattr__(self, "dtype", auto_dtype(self.kernel_tier))
         if self.dtype not in ("float32", "bfloat16"):

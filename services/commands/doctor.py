@@ -16,6 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="also say which architecture this model (name or path) would run "
                              "as, or why it is refused")
+    parser.add_argument("--revision", default=None,
+                        help="with an org/name --model: branch, tag or commit hash in the local "
+                             "Hugging Face cache (default: main)")
     parser.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
                         help="report as a worker with this cap would run (default: "
                              "$PDMESH_KERNEL_TIER, else auto)")
@@ -58,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     tiers = kernel_tiers(libraries=not args.skip_components, build=True)
     print(f"kernel tier  {tiers} (requested: {requested})")
     print(f"dtype auto   {auto_dtype(requested)} (what serve, up and generate default to here)")
-    rows = architecture_status(args.model)
+    rows = architecture_status(args.model, args.revision)
     if not args.skip_components:
         rows = [*component_status(), *rows]
     for name, state in rows:

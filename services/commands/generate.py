@@ -12,7 +12,12 @@ HELP = "Generate text for one prompt (--prompt) or one chat message (--chat) off
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name or HF directory")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="model name, HF directory or org/name from the local Hugging Face "
+                             "cache (never downloaded)")
+    parser.add_argument("--revision", default=None,
+                        help="with an org/name --model: branch, tag or full commit hash "
+                             "(default: main)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="raw text prompt (no chat template)")
     source.add_argument("--chat", help="a user message, wrapped in the model's chat template")
@@ -40,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-        config = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
+        config = EngineConfig(model=args.model, revision=args.revision, dtype=args.dtype,
+                              num_threads=args.threads,
                               quantization=args.quantization,
                               kernel_tier=args.kernel_tier or kernel_tier_from_env())
         engine = LLMEngine.from_config(config)

@@ -18,7 +18,11 @@ DEFAULT_MODEL = "smollm2-135m-instruct"  # shared.config.DEFAULT_MODEL, without 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kernels.tier import TIER_CHOICES  # light: no torch
 
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="every worker's --model (an org/name is read from the local "
+                             "Hugging Face cache)")
+    parser.add_argument("--revision", default=None,
+                        help="every worker's --revision (org/name models; default: main)")
     parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
     parser.add_argument("--decode", type=int, default=1, metavar="N", help="decode workers")
     parser.add_argument("--transfer-mode", choices=["pull", "push"], default="pull")
@@ -71,6 +75,8 @@ def worker_flags(role: str, args: argparse.Namespace, port: int, kv_port: int,
         flags += ["--transfer-mode", args.transfer_mode, "--kv-port", str(kv_port)]
     if getattr(args, "kernel_tier", None):
         flags += ["--kernel-tier", args.kernel_tier]
+    if getattr(args, "revision", None):
+        flags += ["--revision", args.revision]
     return flags
 
 

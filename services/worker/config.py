@@ -22,6 +22,7 @@ from shared.config import (
     KERNEL_TIER_ENV,
     EngineConfig,
     auto_dtype,
+    hf_hub_cache_from_env,
     kernel_tier_from_env,
 )
 from shared.pipeline import config as pipeline_config
@@ -118,7 +119,8 @@ class WorkerConfig:
     def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str]) -> WorkerConfig:
         """Flags win; `PDMESH_API_KEY` (comma separated) is used only when no --api-key is given,
         `PDMESH_KERNEL_TIER` only when no --kernel-tier is. `PDMESH_KV_SECRET` is read by
-        KVTransferConfig.from_args from the same mapping."""
+        KVTransferConfig.from_args from the same mapping, and the Hugging Face cache of an
+        org/name --model (HF_HUB_CACHE, HF_HOME...) by hf_hub_cache_from_env."""
         keys = tuple(args.api_key or ())
         if not keys:
             keys = tuple(k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip())
@@ -130,6 +132,8 @@ class WorkerConfig:
                  if args.dtype == "auto" else args.dtype)
         engine = EngineConfig(
             model=args.model,
+            revision=args.revision,
+            hf_hub_cache=hf_hub_cache_from_env(environ),
             dtype=dtype,
             max_model_len=args.max_model_len,
             block_size=args.block_size,
@@ -169,7 +173,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # kernel_tier given: the defaults shown in --help must not depend on (or fail with) the env.
     d = EngineConfig(kernel_tier="auto")
     w = WorkerConfig(engine=d)
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name, HF directory or GGUF file")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="model name, HF directory, GGUF file or org/name from the local "
+                             "Hugging Face cache ($HF_HUB_CACHE, else $HF_HOME/hub; never "
+                             "downloaded)")
+    parser.add_argument("--revision", default=None,
+                        help="with an org/name --model: branch, tag or full commit hash in the "
+                             "Hugging Face cache (default: main)")
     parser.add_argument("--role", default="mixed", choices=[r.value for r in Role],
                         help="mixed (whole requests), prefill or decode (P/D legs + KV service)")
     parser.add_argument("--host", default=w.host)

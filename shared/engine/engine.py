@@ -73,7 +73,8 @@ class LLMEngine:
         from shared.model.loader import load_model, open_checkpoint
         from shared.model.registry import resolve_model
 
-        model_dir = resolve_model(config.model, config.resolved_cache_dir)
+        model_dir = resolve_model(config.model, config.resolved_cache_dir,
+                                  revision=config.revision, hub_cache=config.hf_hub_cache)
         apply_kernel_tier(config)  # before load_model: MXFP4 quantisation resolves kernels too
         model, model_config = load_model(model_dir, config.dtype,
                                          quantization=_quant_config(config))

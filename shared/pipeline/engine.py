@@ -81,7 +81,8 @@ class PipelineEngine(LLMEngine):
             raise ValueError("PipelineEngine needs pp_size >= 2 (use LLMEngine for one stage)")
         if config.quantization is not None:
             raise NotImplementedError("quantized models are not pipelined yet")
-        model_dir = resolve_model(config.model, config.resolved_cache_dir)
+        model_dir = resolve_model(config.model, config.resolved_cache_dir,
+                                  revision=config.revision, hub_cache=config.hf_hub_cache)
         ckpt = open_checkpoint(model_dir)
         ranges = pipeline.layer_ranges(ckpt.config.num_layers)
         apply_kernel_tier(config)  # rank 0; the stages apply the same tier (StageSpec)

@@ -111,7 +111,9 @@ HASHED = {  # field -> a value that must change the hash (from EngineConfig's de
     "dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "quantization": "mxfp4",
     "quantize_lm_head": True,  # with quantization="mxfp4", against mxfp4 without the head
 }
-COVERED_BY_THE_CHECKPOINT = {"model"}  # weights_fingerprint and the served name
+# The checkpoint: the weights fingerprint and the served name (revision and hf_hub_cache pick
+# which snapshot of an org/name model is loaded, like model itself).
+COVERED_BY_THE_CHECKPOINT = {"model", "revision", "hf_hub_cache"}
 KV_NEUTRAL = {  # field -> another value that must leave the hash alone
     "max_model_len": 128, "block_size": 32, "kv_cache_memory_bytes": 1 << 20,
     "max_num_seqs": 2, "max_num_batched_tokens": 64, "enable_prefix_caching": False,

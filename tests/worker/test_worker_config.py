@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +63,14 @@ def test_engine_failure_drain_flag() -> None:
 def test_api_keys_flags_win_over_env() -> None:
     assert parse([], {"PDMESH_API_KEY": "x, y,"}).api_keys == ("x", "y")
     assert parse(["--api-key", "a", "--api-key", "b"], {"PDMESH_API_KEY": "x"}).api_keys == ("a", "b")
+
+
+def test_revision_flag_and_hub_cache_env_reach_engine_config(tmp_path: Path) -> None:
+    e = parse(["--model", "org/name", "--revision", "v1.0"],
+              {"HF_HOME": str(tmp_path / "hf")}).engine
+    assert (e.model, e.revision, e.hf_hub_cache) == ("org/name", "v1.0", tmp_path / "hf" / "hub")
+    e = parse([], {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path / "hf")}).engine
+    assert (e.revision, e.hf_hub_cache) == (None, tmp_path / "hub")
 
 
 def test_kernel_tier_flag_wins_over_env() -> None:
