@@ -131,6 +131,10 @@ class EngineConfig:
     # cache directory (defaults to HF_HUB_CACHE, HF_HOME... like huggingface_hub).
     revision: str | None = None
     hf_hub_cache: Path = field(default_factory=hf_hub_cache_from_env)
+    # Structured output: compiled grammars kept (LRU, by spec), and how long a request's
+    # grammar may take to compile before the request is refused (400).
+    grammar_cache_size: int = 128
+    grammar_compile_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kernel_tier", parse_kernel_tier(self.kernel_tier))
@@ -150,6 +154,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be mxfp4 or unset, got {self.quantization!r}")
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head needs quantization (mxfp4)")
+        if self.grammar_cache_size < 1 or not self.grammar_compile_timeout_s > 0:
+            raise ValueError("grammar_cache_size must be >= 1 and grammar_compile_timeout_s > 0")
 
     @property
     def resolved_kv_dtype(self) -> str:

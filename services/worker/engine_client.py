@@ -13,6 +13,7 @@ from shared.engine.kv_connector import AsyncKVConnector, KVRequestOptions
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.stats import EngineStats
+from shared.engine.structured_spec import StructuredOutputSpec
 from shared.pipeline.config import PipelineConfig
 
 
@@ -70,6 +71,11 @@ class EngineClient(Protocol):
         ...
 
     def abort(self, request_id: str) -> None: ...
+
+    async def compile_grammar(self, spec: StructuredOutputSpec) -> None:
+        """Compile a structured-output grammar into the engine's cache, off the event loop and
+        within the configured time; InvalidStructuredOutput (with `param`) if it cannot be."""
+        ...
 
     def stats(self) -> EngineStats: ...
 

@@ -2,7 +2,8 @@
 
 Parsing checks types and ranges that need no model (each error a 400 naming the field);
 checks that need the tokenizer or the context length (token ids in the vocabulary, prompt
-plus max_tokens within max_model_len) happen in `prompts.py`. Unknown fields are ignored.
+plus max_tokens within max_model_len) happen in `prompts.py`, and compiling a structured-output
+grammar (structured_output.py, tool_constraints.py) in the engine. Unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from typing import Any
 from services.common.errors import BadRequestError
 from services.worker.chat_messages import ChatTools, parse_messages, parse_tools
 from services.worker.fields import INT64_MAX, INT64_MIN, Fields, invalid
+from services.worker.structured_output import one_constraint, parse_structured
+from services.worker.tool_constraints import tool_choice_spec
 from shared.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from shared.engine.structured_spec import StructuredOutputSpec
 
 MAX_CHOICES = 128  # n x number of prompts, per request
 MAX_COMPLETION_LOGPROBS = 5
@@ -43,10 +47,12 @@ class SamplingFields:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: StructuredOutputSpec | None = None  # response_format, guided_*, tool_choice...
 
     def to_params(self, max_tokens: int, logprobs: int | None, renames: dict[str, str]) -> SamplingParams:
         """SamplingParams for the engine; `renames` maps its field names to the request's."""
-        values = dataclasses.asdict(self)
+        # A shallow copy: asdict would turn the spec dataclass into a dict.
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **values)
         except InvalidSamplingParams as exc:
@@ -112,7 +118,8 @@ def parse_sampling(f: Fields) -> SamplingFields:
     )
 
 
-def parse_common(f: Fields) -> CommonFields:
+def parse_common(f: Fields, tool_spec: StructuredOutputSpec | None = None) -> CommonFields:
+    """The shared fields; `tool_spec` is the constraint of a chat request's tool_choice."""
     model = f.string("model", None)
     stream = f.boolean("stream", False)
     options = f.obj("stream_options")
@@ -124,14 +131,10 @@ def parse_common(f: Fields) -> CommonFields:
     logit_bias = f.obj("logit_bias")
     if logit_bias is not None and logit_bias.data:
         raise invalid("logit_bias", "logit_bias is not supported")
-    response_format = f.obj("response_format")
-    if response_format is not None:
-        kind = response_format.choice("type", "text", ("text", "json_object", "json_schema"))
-        if kind != "text":
-            raise invalid("response_format", f"response_format type {kind!r} is not supported")
+    structured = one_constraint(parse_structured(f), tool_spec)
     return CommonFields(
         model=model,
-        sampling=parse_sampling(f),
+        sampling=dataclasses.replace(parse_sampling(f), structured=structured),
         stream=stream,
         include_usage=include_usage,
         return_token_ids=f.boolean("return_token_ids", False),
@@ -185,7 +188,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     f = Fields(body)
     messages = parse_messages(body.get("messages"))
     tools = parse_tools(f)
-    common = parse_common(f)
+    common = parse_common(f, tool_choice_spec(tools))
     legacy_max = f.integer("max_tokens", None, lo=1, hi=INT64_MAX)  # type-checked even if unused
     max_tokens_param = "max_completion_tokens" if f.has("max_completion_tokens") else "max_tokens"
     max_tokens = f.integer("max_completion_tokens", legacy_max, lo=1, hi=INT64_MAX)

@@ -25,7 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
-from services.common.errors import InternalServerError, NotFoundError
+from services.common.errors import BadRequestError, InternalServerError, NotFoundError
 from services.common.json_body import dumps, json_response
 from services.common.middleware import REQUEST_ID_KEY
 from services.worker.admission import AdmissionControl
@@ -54,6 +54,7 @@ from services.worker.streaming import SseWriter
 from shared.engine.kv_connector import KVRequestOptions
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.structured_spec import InvalidStructuredOutput, StructuredOutputSpec
 from shared.protocol.pd import PHASES_HEADER, ApiKind
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,7 @@ class GenerationService:
 
     async def _execute(self, request: web.Request, spec: ResponseSpec, jobs: list[ChoiceJob],
                        stream: bool, arrival: float, leg: LegState | None) -> web.StreamResponse:
+        await self._compile_grammar(jobs[0].params.structured)
         kv: KVRequestOptions | None = None
         if leg is not None:
             assert self.pd_legs is not None
@@ -198,6 +200,16 @@ class GenerationService:
             finally:
                 for timer in timers.values():
                     timer.abandoned()
+
+    async def _compile_grammar(self, structured: StructuredOutputSpec | None) -> None:
+        """A structured-output grammar is compiled (off the loop, bounded in time) before
+        anything is admitted or streamed: one that cannot be is a plain 400."""
+        if structured is None:
+            return
+        try:
+            await self.engine.compile_grammar(structured)
+        except InvalidStructuredOutput as exc:
+            raise BadRequestError(str(exc), param=exc.param) from None
 
     async def _export_kv(self, leg: LegState, spec: ResponseSpec, state: ChoiceState,
                         body: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,12 +40,14 @@ from shared.engine.kv_stream import KVProgress
 from shared.engine.outputs import FinishReason, RequestOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.stats import EngineStats
+from shared.engine.structured_spec import InvalidStructuredOutput, StructuredOutputSpec
 from shared.model.config import ModelConfig
 from shared.model.tokenizer import Tokenizer
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 _IDLE_WAIT_S = 1.0  # safety net only: every state change also notifies the condition
+_GRAMMAR_THREADS = 2  # compiles run here: a runaway one can never starve asyncio's own pool
 
 
 class EngineDeadError(RuntimeError):
@@ -93,6 +96,7 @@ class AsyncEngine:
         self._step_listeners: list[Callable[[], None]] = []
         self._failure_listeners: list[Callable[[str], None]] = []
         self._failure_told = False  # the failure listeners ran (event loop only)
+        self._grammar_pool: ThreadPoolExecutor | None = None
         self.kv_connector = AsyncKVConnector(
             lambda fn: self._run_in_engine(lambda e: fn(SchedulerKVConnector(e))),
             lambda: self.streams_kv_progress, self.add_step_listener)
@@ -122,6 +126,9 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         """Abort everything (consumers get ABORT outputs) and stop the thread."""
+        if self._grammar_pool is not None:  # a compile still running ends on its own
+            self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+            self._grammar_pool = None
         thread = self._thread
         if thread is None:
             return
@@ -285,6 +292,39 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def compile_grammar(self, spec: StructuredOutputSpec) -> None:
+        """Compile `spec` into the engine's grammar cache off the event loop and the engine
+        thread, so that adding the request finds it there. Raises InvalidStructuredOutput
+        (with the API field in `param`) for a grammar that cannot compile, or that takes longer
+        than `config.grammar_compile_timeout_s` (the compile may go on in the background)."""
+        if self.engine is None:
+            raise EngineDeadError("the engine is not started")
+        self.engine.check_structured(spec)
+        if self._grammar_pool is None:
+            self._grammar_pool = ThreadPoolExecutor(_GRAMMAR_THREADS, "pdmesh-grammar")
+        limit = self.config.grammar_compile_timeout_s
+        job = asyncio.get_running_loop().run_in_executor(self._grammar_pool,
+                                                         self.engine.grammars.compile, spec)
+        job.add_done_callback(_retrieve)  # a compile that outlived its request: errors unread
+        try:
+            async with asyncio.timeout(limit):
+                await asyncio.shield(job)  # a timeout leaves the compile running, not cancelled
+        except TimeoutError:
+            param = spec.param or "response_format"
+            raise InvalidStructuredOutput(
+                f"{param}: the {spec.kind.value} constraint did not compile within {limit:g} s",
+                param) from None
+
+    def activate_structured(self, request_id: str) -> None:
+        """The request's reasoning ended: its grammar (a `reasoning_first` spec) applies from
+        its next sampled token on. Thread-safe, never raises. Prefer the spec's
+        `reasoning_end_ids`, which the engine matches itself at the exact token (the same on
+        a mixed worker and after a P/D hand-off); this call lands between steps."""
+        try:
+            self._submit(lambda e: e.activate_structured(request_id))
+        except EngineDeadError:
+            pass
+
     def _add(self, engine: LLMEngine, request_id: str, prompt: list[int],
              params: SamplingParams, kv: KVRequestOptions | None, stream_kv: bool) -> None:
         role = kv.role if kv is not None else None
@@ -337,6 +377,11 @@ def _call_listener(fn: Callable[..., None], *args: Any) -> None:
         fn(*args)
     except Exception:  # noqa: BLE001
         log.exception("engine listener %r failed", fn)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from shared.config import EngineConfig
 from shared.engine.block_manager import KVCacheManager
+from shared.engine.grammar import GrammarCompiler
 from shared.engine.kv_stream import KVProgress, KVStreamTracker
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.outputs import RequestOutput
@@ -25,6 +26,8 @@ from shared.engine.runner import CacheRunner, CausalLM, KVGeometry, ModelRunner
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.stats import EngineStats
+from shared.engine.structured import StructuredOutputRequest
+from shared.engine.structured_spec import InvalidStructuredOutput, StructuredOutputSpec
 from shared.model.config import ModelConfig
 from shared.model.quant import QuantConfig, QuantMethod
 from shared.model.tokenizer import Tokenizer
@@ -65,6 +68,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len)
         self.kv_stream = KVStreamTracker(config.block_size)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
+        # Structured output: grammars compiled against this tokenizer (thread-safe cache).
+        self.grammars = GrammarCompiler(tokenizer, self.eos_token_ids, config.grammar_cache_size)
         self.last_num_scheduled_tokens = 0
         self._pending: list[RequestOutput] = []  # outputs produced between steps
 
@@ -123,6 +128,16 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the context length "
                              f"is {self.max_model_len} (one must be left to generate)")
+        if params.structured is not None:
+            self.check_structured(params.structured)
+
+    def check_structured(self, spec: StructuredOutputSpec) -> None:
+        """Raise InvalidStructuredOutput if this engine cannot mask its sampler (thread-safe).
+        A pipeline's last stage samples in another process, without the grammar state."""
+        if not isinstance(self.runner, ModelRunner):
+            raise InvalidStructuredOutput(
+                f"{spec.param or 'structured output'}: structured output is not supported by "
+                "this engine (pipeline parallel)", spec.param or "response_format")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, hold_kv: bool = False, prefilled: PrefilledKV | None = None,
@@ -151,6 +166,9 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids,
                       hold_kv=hold_kv,
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        if params.structured is not None:  # a cache hit when the services compiled it first
+            matcher = self.grammars.compile(params.structured).matcher()
+            req.structured = StructuredOutputRequest(params.structured, matcher)
         if prefilled is not None:
             self._adopt(req, prefilled)
         if wait_for_remote_kv:
@@ -179,6 +197,9 @@ class LLMEngine:
             raise ValueError("a prefilled first token needs the whole prompt's KV")
         if not 0 < n < req.num_prompt_tokens + (pre.first_token_id is not None):
             raise ValueError(f"num_computed_tokens={n} must be in [1, prompt length]")
+        first = pre.first_token_id
+        if first is not None and req.structured is not None and not req.structured.allows(first):
+            raise ValueError(f"the prefilled first token {first} is outside the request's grammar")
         self.kv.adopt_blocks(req, list(pre.block_ids), n)
         if pre.first_token_id is not None:
             req.append_output_token(pre.first_token_id)
@@ -243,6 +264,15 @@ class LLMEngine:
         if self.kv_stream is not None:
             self.kv_stream.collect(batch.requests)
         return outputs
+
+    def activate_structured(self, request_id: str) -> bool:
+        """The request's reasoning ended: its grammar applies from its next token on (for
+        reasoning_first specs without reasoning_end_ids). False if it has none or is gone."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.structured is None:
+            return False
+        req.structured.activate()
+        return True
 
     # ---- P/D hooks (engine thread only) ----------------------------------------------------
     def take_kv_progress(self) -> list[KVProgress]:

@@ -6,7 +6,9 @@ Stop conditions, in the order they win when several hold for the same token:
    stays in token_ids; its text is left out unless include_stop_str_in_output.
 2. a stop string in the detokenised text -> STOP; the text is cut before it (or after it
    with include_stop_str_in_output); stop_reason is the string.
-3. max_tokens outputs, or the context length (max_model_len) reached -> LENGTH.
+3. a structured-output grammar that is complete after this token -> STOP (its text is kept;
+   min_tokens does not hold it back); a token outside the grammar -> ERROR.
+4. max_tokens outputs, or the context length (max_model_len) reached -> LENGTH.
 Text is streamed append-only by the tokenizer helper's IncrementalDetokenizer (it holds
 back partial UTF-8 characters and possible stop-string prefixes).
 """
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 from shared.engine.outputs import RequestOutput
 from shared.engine.request import Request, RequestStatus
+from shared.engine.structured import GrammarPhase
 from shared.model.detokenizer import IncrementalDetokenizer
 from shared.model.tokenizer import Tokenizer
 
@@ -61,6 +64,8 @@ class OutputProcessor:
                 pieces.append(delta.text)
                 if status is None and delta.stop_str is not None:
                     status, request.stop_reason = RequestStatus.FINISHED_STOPPED, delta.stop_str
+            if status is None and request.structured is not None:
+                status = _grammar_status(request)
             if status is None and self._at_length(request, stream.num_sent + i + 1):
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
@@ -123,3 +128,14 @@ class OutputProcessor:
             metrics=request.metrics,
             error=request.error,
         )
+
+
+def _grammar_status(request: Request) -> RequestStatus | None:
+    state = request.structured
+    assert state is not None
+    if state.phase is GrammarPhase.FINISHED:
+        return RequestStatus.FINISHED_STOPPED
+    if state.phase is GrammarPhase.FAILED:
+        request.error = state.error
+        return RequestStatus.FINISHED_ERROR
+    return None

@@ -18,9 +18,13 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from shared.engine.outputs import FinishReason, RequestMetrics, TokenLogprob
 from shared.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shared.engine.structured import StructuredOutputRequest
 
 _arrival_counter = itertools.count()
 
@@ -90,6 +94,9 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
+    # The grammar state of a request with params.structured (set by the engine on add); every
+    # appended output token advances it.
+    structured: StructuredOutputRequest | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -125,6 +132,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        if self.structured is not None:
+            self.structured.advance(token_id, self.output_token_ids)
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drop generated tokens past the first num_output_tokens (tokens after a stop)."""

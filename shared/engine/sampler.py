@@ -3,7 +3,9 @@
 Order of operations on fp32 logits [B, V]:
     raw logprobs (for `logprobs`; vLLM's default "raw_logprobs": the model's distribution
     before penalties, bans and temperature) -> penalties (repetition over prompt+output,
-    presence/frequency over output) -> min_tokens ban of EOS/stop ids -> greedy rows: argmax;
+    presence/frequency over output) -> min_tokens ban of EOS/stop ids -> grammar mask (rows
+    with an active structured-output grammar keep only the tokens it allows; such rows get no
+    min_tokens ban: the grammar says when the output may end) -> greedy rows: argmax;
     random rows: / temperature -> min_p -> top_k -> top_p -> softmax -> Gumbel-max draw.
 
 A draw is `argmax(probs / q)` with q ~ Exp(1) i.i.d. over the vocabulary (equivalent to
@@ -21,6 +23,7 @@ import torch
 
 from shared.engine.outputs import TokenLogprob
 from shared.engine.request import Request
+from shared.engine.structured import GrammarMask
 
 _MASK64 = (1 << 64) - 1
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
@@ -59,6 +62,7 @@ class SamplingTensors:
     penalties: PenaltyTensors | None
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) set to -inf
     num_logprobs: list[int | None]
+    grammar: GrammarMask | None = None  # rows with an active structured-output grammar
 
     @staticmethod
     def from_requests(requests: list[Request], vocab_size: int) -> SamplingTensors:
@@ -70,10 +74,13 @@ class SamplingTensors:
         min_p = [p.min_p for p in params]
         seeded = [(i, mix_seed(p.seed, r.num_tokens)) for i, (p, r) in
                   enumerate(zip(params, requests, strict=True)) if p.seed is not None and not greedy[i]]
+        constrained = [(i, r.structured) for i, r in enumerate(requests)
+                       if r.structured is not None and r.structured.needs_mask]
+        masked_rows = {i for i, _ in constrained}
         ban_rows: list[int] = []
         ban_ids: list[int] = []
         for i, (p, r) in enumerate(zip(params, requests, strict=True)):
-            if r.num_output_tokens < p.min_tokens:
+            if r.num_output_tokens < p.min_tokens and i not in masked_rows:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
                 ids = [t for t in stops if 0 <= t < vocab_size]
                 ban_rows += [i] * len(ids)
@@ -89,6 +96,7 @@ class SamplingTensors:
             penalties=_penalty_tensors(requests, vocab_size),
             banned=(torch.tensor(ban_rows), torch.tensor(ban_ids)) if ban_rows else None,
             num_logprobs=[p.logprobs for p in params],
+            grammar=GrammarMask.fill(constrained) if constrained else None,
         )
 
 
@@ -176,6 +184,8 @@ class Sampler:
             logits = apply_penalties(logits, st.penalties)
         if st.banned is not None:
             logits = logits.index_put(st.banned, torch.tensor(float("-inf")))
+        if st.grammar is not None:
+            logits = st.grammar.apply(logits)
         tokens = logits.argmax(-1) if st.all_greedy else self._random(logits, st)
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, _logprobs(raw, tokens, st) if raw is not None else None)

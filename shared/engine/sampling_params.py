@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.engine.structured_spec import StructuredOutputSpec
+
 
 class InvalidSamplingParams(ValueError):
     """A sampling parameter is out of range; `param` names the offending field."""
@@ -24,6 +26,8 @@ class SamplingParams:
     in any batch, and when its prefill and decode run on different workers.
     `n` is handled by the callers (offline `LLM` and the services) by fanning out into
     `n` engine requests with `for_choice(i)`; the engine itself always sees `n == 1`.
+    `structured` constrains the output to a grammar (JSON schema, regex, choice...), applied
+    as a token mask in the sampler (shared.engine.structured).
     """
 
     n: int = 1
@@ -43,6 +47,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one is always added)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: StructuredOutputSpec | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -68,6 +73,8 @@ class SamplingParams:
              "must be <= max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
         ]
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputSpec):
+            raise InvalidSamplingParams("structured must be a StructuredOutputSpec", "structured")
         for ok, param, msg in checks:
             if not ok:
                 raise InvalidSamplingParams(f"{param} {msg}, got {getattr(self, param)!r}", param)

@@ -105,6 +105,9 @@ class FakeEngine:
     def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
 
+    async def compile_grammar(self, spec: Any) -> None:
+        """Structured output is the real engine's (tests/structured): the fake ignores it."""
+
     def stats(self) -> EngineStats:
         used = sum(self.blocks.values())
         return EngineStats(len(self.blocks), 0, self.num_total_blocks - used,
