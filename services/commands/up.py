@@ -17,6 +17,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"  # shared.config.DEFAULT_MODEL, without 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kernels.tier import TIER_CHOICES  # light: no torch
+    from services.worker import parsers_config  # light: the parser registries, no torch
 
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="every worker's --model (an org/name is read from the local "
@@ -50,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
                         help="every worker's --kernel-tier (default: $PDMESH_KERNEL_TIER, which "
                              "the workers inherit, else auto)")
+    # Passed to every worker: a decode parses the answers, and a prefill tells the router so.
+    parsers_config.add_arguments(parser)
 
 
 def _free_port(host: str, start: int, taken: set[int]) -> int:
@@ -77,7 +80,9 @@ def worker_flags(role: str, args: argparse.Namespace, port: int, kv_port: int,
         flags += ["--kernel-tier", args.kernel_tier]
     if getattr(args, "revision", None):
         flags += ["--revision", args.revision]
-    return flags
+    from services.worker.parsers_config import forwarded_flags
+
+    return flags + forwarded_flags(args)
 
 
 def preflight(flags: list[str]) -> str | None:
@@ -156,10 +161,12 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     from services.router.supervisor import RestartPolicy
+    from services.worker.parsers_config import ParsersConfig
     from shared.config import kernel_tier_from_env
 
     try:
         kernel_tier_from_env(os.environ)  # the workers inherit it: refuse a bad one up front
+        ParsersConfig.from_args(args, os.environ)  # likewise (and not a reason to go mixed)
         specs, url = plan(args, os.cpu_count() or 1)
         policy = RestartPolicy(initial_s=args.restart_delay, max_s=args.restart_max_delay)
     except (ValueError, RuntimeError) as exc:

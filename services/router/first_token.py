@@ -4,6 +4,11 @@ The decode leg returns the *whole* completion, starting with the token the prefi
 the router has already streamed that token, `FirstTokenSkipper` cuts it out of the decode's
 chunks, per choice index: its text (by characters), its logprobs entries and its token ids (by
 count), the repeated role delta and the repeated prompt ids.
+
+A prefill whose answer says its output is parsed (`OUTPUT_PARSED_FIELD`: the workers read tool
+calls or reasoning out of it) gets no early chunks: the decode's parser may hold that first
+token back or turn it into reasoning or a call, and text already sent cannot be taken back.
+Its skipper then cuts nothing.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shared.protocol.pd import ApiKind
+from shared.protocol.pd import OUTPUT_PARSED_FIELD, ApiKind
 
 
 def _choice_text(kind: ApiKind, choice: dict[str, Any]) -> str:
@@ -20,8 +25,16 @@ def _choice_text(kind: ApiKind, choice: dict[str, Any]) -> str:
     return (choice.get("message") or {}).get("content") or ""
 
 
+def decode_parses(prefill: dict[str, Any]) -> bool:
+    """Whether the workers parse this request's output (so nothing may go out early)."""
+    return prefill.get(OUTPUT_PARSED_FIELD) is True
+
+
 def early_chunks(kind: ApiKind, prefill: dict[str, Any], include_usage: bool) -> list[dict]:
-    """Stream chunks carrying the prefill's first token (role chunk first for chat)."""
+    """Stream chunks carrying the prefill's first token (role chunk first for chat); none when
+    the output is parsed (`decode_parses`)."""
+    if decode_parses(prefill):
+        return []
     base = {"id": prefill.get("id"), "object": kind.chunk_object,
             "created": prefill.get("created"), "model": prefill.get("model")}
     if include_usage:
@@ -65,13 +78,15 @@ class FirstTokenSkipper:
     def __init__(self, kind: ApiKind, prefill: dict[str, Any]) -> None:
         self.kind = kind
         self._skip: dict[int, _Skip] = {}
-        for choice in prefill.get("choices") or []:
+        # Nothing went out early (early_chunks): nothing to cut.
+        early = [] if decode_parses(prefill) else prefill.get("choices") or []
+        for choice in early:
             n = _count_tokens(choice)
             self._skip[choice.get("index", 0)] = _Skip(
                 chars=len(_choice_text(kind, choice)),
                 logprobs=n if choice.get("logprobs") else 0,
                 token_ids=n if "token_ids" in choice else 0, role=kind is ApiKind.CHAT)
-        self._prompt_ids = "prompt_token_ids" in prefill
+        self._prompt_ids = "prompt_token_ids" in prefill and not decode_parses(prefill)
 
     @property
     def done(self) -> bool:

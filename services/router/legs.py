@@ -13,7 +13,7 @@ import uuid
 from typing import Any
 
 from services.router.workers import WorkerMetadata
-from shared.protocol.pd import PrefillLegParams, PushDecodeParams, TransferMode
+from shared.protocol.pd import ApiKind, PrefillLegParams, PushDecodeParams, TransferMode
 
 # Fields that would make the prefill leg stream or run past its single token.
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
@@ -77,7 +77,42 @@ def can_stream_first_token_early(body: dict[str, Any]) -> bool:
     """Early first token is safe only if the decode's text is guaranteed to start with it.
 
     Stop strings can swallow text the prefill already released (a stop sequence spanning the
-    first token), and `echo` puts the prompt before it; both fall back to a plain relay.
+    first token), and `echo` puts the prompt before it; both fall back to a plain relay. So do
+    chat requests offering tools (tool_choice other than "none"): the decode reads its output
+    into tool calls (a parser, or the grammar of "required" / a named function), which may hold
+    the first token back or make it part of a call. A worker that parses every chat request
+    (a reasoning parser) says so in its prefill answer (`first_token.decode_parses`).
     """
     stop = body.get("stop")
-    return not stop and not body.get("echo")
+    return not stop and not body.get("echo") and not _offers_tools(body)
+
+
+def _offers_tools(body: dict[str, Any]) -> bool:
+    return bool(body.get("tools")) and body.get("tool_choice") != "none"
+
+
+# Why a request is served whole on one worker (`needs_single_worker`); metric label values.
+SINGLE_N = "n"
+SINGLE_PROMPTS = "prompts"
+
+
+def needs_single_worker(kind: ApiKind, body: dict[str, Any]) -> str | None:
+    """Why a P/D leg cannot serve this request (it serves one prompt with n=1 and refuses the
+    rest with `kv_one_choice`), or None when it can. Such requests go whole to one worker.
+
+    Only well-formed values count: a malformed `n` or `prompt` stays on the usual route, where
+    the worker's own 400 names the field. `best_of`, `echo`, `logprobs`, `top_logprobs` and
+    `prompt_logprobs` are served by the legs as by a mixed worker, so they stay on P/D.
+    """
+    n = body.get("n")
+    if isinstance(n, int | float) and not isinstance(n, bool) and n > 1:
+        return SINGLE_N
+    prompt = body.get("prompt") if kind is ApiKind.COMPLETIONS else None
+    if isinstance(prompt, list) and len(prompt) > 1 and (
+            all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt)):
+        return SINGLE_PROMPTS
+    return None
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) for t in value)

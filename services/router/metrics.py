@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.router.pairing import Decision
 from services.router.registry import WorkerRegistry
+from shared.protocol.pd import Role
 
 # vLLM's TTFT buckets (seconds), cut at 160 s.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -26,6 +28,10 @@ class RouterMetrics:
                                 ["endpoint", "status"], registry=r)
         self.decisions = Counter("pdmesh:disagg_decision", "Disaggregation decisions",
                                  ["decision"], registry=r)
+        self.single_worker = Counter("pdmesh:router_single_worker_requests",
+                                     "Requests served whole on one worker because no P/D leg "
+                                     "serves them, by reason (n, prompts) and worker role",
+                                     ["reason", "role"], registry=r)
         self.retries = Counter("pdmesh:router_retries", "Re-dispatches after a failed leg",
                                ["leg"], registry=r)
         self.upstream_failures = Counter("pdmesh:router_upstream_failures",
@@ -54,6 +60,15 @@ class RouterMetrics:
                              registry=r)
         self.groups = Gauge("pdmesh:router_groups", "Compatibility groups", ["servable"],
                             registry=r)
+
+    def observe_decision(self, decision: Decision, whole: str | None, role: Role | None) -> str:
+        """Count a request's routing decision (its first attempt); `whole` is why it is served
+        whole on one worker, if it must be. Returns the target's role label."""
+        self.decisions.labels(decision.value).inc()
+        label = role.value if role is not None else "unknown"
+        if whole is not None:
+            self.single_worker.labels(whole, label).inc()
+        return label
 
     def observe_registry(self, registry: WorkerRegistry) -> None:
         self.workers.clear()

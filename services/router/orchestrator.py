@@ -1,10 +1,11 @@
 """Serving one client request across workers: plan, run the legs, retry, relay.
 
 One attempt runs a `Route`: pull (prefill, then decode with the prefill's params), push (both
-legs at once, matched on a router-minted transfer_id) or local (one decode/mixed worker). An
-attempt that fails before the first byte reached the client is retried on other workers with
-backoff and jitter inside the request's budget; a failed decode re-runs the prefill too, since
-its KV may be gone. After the first byte, a failure becomes an SSE error event. A pull decode
+legs at once, matched on a router-minted transfer_id) or local (one decode/mixed worker gets
+the client's body: short prompts, and requests no P/D leg serves, e.g. n>1). An attempt that
+fails before the first byte reached the client is retried on other workers with backoff and
+jitter inside the request's budget; a failed decode re-runs the prefill too, since its KV may
+be gone. After the first byte, a failure becomes an SSE error event. A pull decode
 leg that ends without success (client gone, decode failed) has the prefill's lease ended at
 once (`leases.py`) rather than at its expiry.
 """
@@ -33,6 +34,7 @@ from services.router.leases import LeaseReleaser
 from services.router.legs import (
     can_stream_first_token_early,
     decode_body,
+    needs_single_worker,
     new_transfer_id,
     prefill_body,
     pull_prefill_params,
@@ -131,22 +133,26 @@ class Orchestrator:
             raise
 
     async def _with_retries(self, req: ClientRequest, out: ClientStream | None) -> web.StreamResponse:
+        whole = needs_single_worker(req.kind, req.body)
         ids = None
-        if self._pairing.needs_tokens():
+        if self._pairing.needs_tokens(whole is not None):
             ids = await self._tokenizer.token_ids(req.kind, req.body, req.request_id)
         deadline = time.monotonic() + self._cfg.retry.budget_s
         avoid: set[str] = set()
         last: UpstreamFailure | None = None
         for attempt in range(1, self._cfg.retry.max_attempts + 1):
             try:
-                route = self._pairing.plan(ids, avoid)
+                route = self._pairing.plan(ids, avoid, whole is not None)
             except NoServableGroupError:
                 if last is None:
                     raise
                 raise last.to_api_error() from None
             req.phases.attempts = attempt
             if attempt == 1:
-                self._metrics.decisions.labels(route.decision.value).inc()
+                role = self._metrics.observe_decision(route.decision, whole, route.target.role)
+                if whole is not None:
+                    log.info("%s is served whole on %s worker %s: no P/D leg serves it (%s)",
+                             req.request_id, role, route.target.id, whole)
             req.phases.decision = route.decision.value
             try:
                 return await self._attempt(route, req, out)

@@ -2,8 +2,11 @@
 
 The decision is conditional disaggregation: prompts with fewer than `disagg_min_tokens` tokens
 skip the prefill leg and go to a decode (or mixed) worker; a group made only of mixed workers
-serves everything locally. Workers come from one group only, which is what makes a pairing
-compatible. Workers that just failed this request are avoided while others remain.
+serves everything locally. A request no P/D leg can serve (n>1, several prompts; see
+`legs.needs_single_worker`) goes whole to one worker: a mixed one if any group has one healthy,
+else a decode worker, which computes the prompt itself. Workers come from one group only, which
+is what makes a pairing compatible. Workers that just failed this request are avoided while
+others remain.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Decision(StrEnum):
     PREFILL_DECODE = "prefill_decode"
     DECODE_ONLY = "decode_only"  # short prompt: a decode worker computes it locally
     MIXED = "mixed"  # a mixed worker serves it alone
+    SINGLE_WORKER = "single_worker"  # no P/D leg serves it (n>1...): one worker, whole
 
 
 @dataclass(frozen=True)
@@ -62,16 +66,23 @@ class Pairing:
         self._decode_state = PolicyState(rng=self._prefill_state.rng)
         self.prefix = PrefixIndex()
 
-    def needs_tokens(self) -> bool:
-        """Whether planning uses prompt token ids (else the router never tokenises)."""
+    def needs_tokens(self, whole: bool = False) -> bool:
+        """Whether planning uses prompt token ids (else the router never tokenises); a whole
+        request only picks a decode/mixed worker, by the decode policy alone."""
+        if whole:
+            return self._cfg.decode_policy is Policy.PREFIX_AWARE
         return (self._cfg.disagg_min_tokens > 0
                 or Policy.PREFIX_AWARE in (self._cfg.prefill_policy, self._cfg.decode_policy))
 
-    def plan(self, prompt_ids: Sequence[int] | None, avoid: set[str]) -> Route:
+    def plan(self, prompt_ids: Sequence[int] | None, avoid: set[str],
+             whole: bool = False) -> Route:
+        """The route of one attempt; `whole`: the request must run on one worker."""
         groups = self._registry.servable_groups()
         if not groups:
             raise NoServableGroupError(self._registry.unservable_reason(),
                                        transient=self._transient())
+        if whole:
+            return self._plan_whole(groups, prompt_ids, avoid)
         short = prompt_ids is not None and len(prompt_ids) < self._cfg.disagg_min_tokens
         pd = [g for g in groups if g.pd_servable]
         if pd and not short:
@@ -87,6 +98,21 @@ class Pairing:
                               avoid, prompt_ids, group, self._decode_state)
         return Route(Decision.MIXED if target in group.usable_mixed else Decision.DECODE_ONLY,
                      group, target)
+
+    def _plan_whole(self, groups: Sequence[Group], prompt_ids: Sequence[int] | None,
+                    avoid: set[str]) -> Route:
+        """Mixed workers first (whole requests are their job, and it keeps the P/D pairs
+        free), then decode workers; workers that just failed this request are passed over
+        while any other is left (a servable group has a usable mixed or decode worker)."""
+        tiers = [[(g, g.usable_mixed) for g in groups if g.usable_mixed],
+                 [(g, g.usable_decode) for g in groups if g.usable_decode]]
+        fresh = [[(g, ws) for g, ws in tier if any(w.id not in avoid for w in ws)]
+                 for tier in tiers]
+        tier = next((t for t in fresh if t), None) or next(t for t in tiers if t)
+        group, workers = min(tier, key=lambda gw: _group_load(gw[1]))
+        target = self._choose(self._cfg.decode_policy, workers, avoid, prompt_ids, group,
+                              self._decode_state)
+        return Route(Decision.SINGLE_WORKER, group, target)
 
     def _choose(self, policy: Policy, workers: Sequence[Worker], avoid: set[str],
                 prompt_ids: Sequence[int] | None, group: Group, state: PolicyState) -> Worker:

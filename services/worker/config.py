@@ -1,7 +1,8 @@
 """WorkerConfig: built once from command-line flags and the environment, then passed down.
 
 This module and `services/commands/serve.py` are the only places that look at `os.environ`
-(through the `environ` mapping handed to `from_args`).
+(through the `environ` mapping handed to `from_args`, which passes it on to the `from_args` of
+the sub-configurations: KV transfer, chat-output parsers).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from kernels.tier import TIER_CHOICES
 from services.common.units import parse_size
 from services.kv_transfer.config import KVTransferConfig
 from services.kv_transfer.config import add_arguments as add_kv_arguments
+from services.worker import parsers_config
+from services.worker.parsers_config import ParsersConfig
 from shared.config import (
     DEFAULT_MODEL,
     DTYPE_CHOICES,
@@ -54,6 +57,7 @@ class WorkerConfig:
     the first one is reported back in responses. `kv` is the KV-transfer service of a prefill
     or decode worker (None for mixed); its role always equals `role`, and its `pp_size` is
     the pipeline's (a PP prefill's KV service declares each stage's layers in the handshake).
+    `parsers` are the tool-call and reasoning parsers its chat output is read with.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -71,6 +75,7 @@ class WorkerConfig:
     kv: KVTransferConfig | None = None
     kv_load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.FAIL
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    parsers: ParsersConfig = field(default_factory=ParsersConfig)
 
     def __post_init__(self) -> None:
         if self.pipeline.enabled and self.role is Role.DECODE:
@@ -119,8 +124,9 @@ class WorkerConfig:
     def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str]) -> WorkerConfig:
         """Flags win; `PDMESH_API_KEY` (comma separated) is used only when no --api-key is given,
         `PDMESH_KERNEL_TIER` only when no --kernel-tier is. `PDMESH_KV_SECRET` is read by
-        KVTransferConfig.from_args from the same mapping, and the Hugging Face cache of an
-        org/name --model (HF_HUB_CACHE, HF_HOME...) by hf_hub_cache_from_env."""
+        KVTransferConfig.from_args from the same mapping, the parser variables by
+        ParsersConfig.from_args, and the Hugging Face cache of an org/name --model
+        (HF_HUB_CACHE, HF_HOME...) by hf_hub_cache_from_env."""
         keys = tuple(args.api_key or ())
         if not keys:
             keys = tuple(k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip())
@@ -164,6 +170,7 @@ class WorkerConfig:
             engine_failure_drain_seconds=args.engine_failure_drain_seconds,
             served_model_names=tuple(args.served_model_name or ()),
             pipeline=pipeline,
+            parsers=ParsersConfig.from_args(args, environ),
         )
 
 
@@ -216,6 +223,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
                      help=f"highest native kernel tier to use (default: ${KERNEL_TIER_ENV}, "
                           "else auto: the fastest this CPU runs); see `pdmesh doctor`")
+    parsers_config.add_arguments(parser)
     add_kv_arguments(parser)
     parser.add_argument("--kv-load-failure-policy", default=KVLoadFailurePolicy.FAIL.value,
                         choices=[p.value for p in KVLoadFailurePolicy],

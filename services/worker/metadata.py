@@ -6,6 +6,8 @@ worker reports those as null (it never exchanges KV). `engine_id` is also the KV
 engine id. `kv_cache.num_held_blocks` counts blocks the engine keeps for a peer. `kernels` is
 the kernel ladder as this process runs it (shared.kernel_tiers): the CPU's tier, the cap, each
 library's active tier and backend, and the configured `kernel_tier` ("requested").
+`parsers` names the tool-call and reasoning parsers its chat output is read with (a router
+must not stream raw text ahead of a worker that parses it).
 """
 
 from __future__ import annotations
@@ -53,5 +55,6 @@ def build_metadata(config: WorkerConfig, engine: EngineClient, in_flight: int,
         },
         "prefix_caching": config.engine.enable_prefix_caching,
         "kernels": {**kernel_tiers().to_dict(), "requested": config.engine.kernel_tier},
+        "parsers": config.parsers.describe(),
         **kv,
     }

@@ -5,6 +5,11 @@ vLLM: per choice, a first chunk (chat: `delta: {"role": "assistant", "content": 
 completions with echo: the prompt text), content chunks, then a chunk with an empty delta and
 the `finish_reason`; every chunk carries `"usage": null`, and with `include_usage` one last
 chunk has `"choices": []` and the totals.
+
+A chat request whose output is parsed (`ChatOutputPlan.active`: tool calls, reasoning) has each
+choice read by a `ParsedChoice`: its deltas become the chunks' `delta` fields, their join the
+full body's `message`, and `usage.completion_tokens_details.reasoning_tokens` is reported when a
+reasoning parser is configured. Otherwise the text goes out verbatim.
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from services.worker.chat_output import ChatOutputPlan
 from services.worker.generation import ChoiceState, PreparedPrompt
 from services.worker.logprobs import LogprobFormatter
+from services.worker.parsed_choice import ParsedChoice, delta_fields
 from shared.engine.outputs import RequestOutput
 from shared.protocol.pd import ApiKind
 
@@ -35,23 +42,50 @@ class ResponseSpec:
 
 
 class ResponseBuilder:
-    """Builds the JSON-ready dicts of one response (full body or stream chunks)."""
+    """Builds the JSON-ready dicts of one response (full body or stream chunks).
 
-    def __init__(self, spec: ResponseSpec, formatter: LogprobFormatter) -> None:
+    `chat` is how a chat request's output is read; None (or not active): verbatim text.
+    """
+
+    def __init__(self, spec: ResponseSpec, formatter: LogprobFormatter,
+                 chat: ChatOutputPlan | None = None) -> None:
         self.spec = spec
         self.fmt = formatter
         self._full_object, self._chunk_object = spec.kind.response_object, spec.kind.chunk_object
+        self.chat = chat if chat is not None and chat.active else None
+        self._parsed: dict[int, ParsedChoice] = {}
 
-    def _envelope(self, obj: str, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
+    def parsed(self, state: ChoiceState) -> ParsedChoice | None:
+        """The choice's parsing state (None when the output is not parsed)."""
+        if self.chat is None:
+            return None
+        parsed = self._parsed.get(state.job.index)
+        if parsed is None:
+            parsed = self._parsed[state.job.index] = ParsedChoice(self.chat)
+        return parsed
+
+    def observe(self, state: ChoiceState, out: RequestOutput) -> None:
+        """Non-streamed: feed the output to the choice's parser as it arrives (so reasoning
+        tokens are counted per output, as when streaming)."""
+        parsed = self.parsed(state)
+        if parsed is not None:
+            parsed.feed(out)
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]],
+                  usage: dict[str, Any] | None) -> dict[str, Any]:
         return {"id": self.spec.response_id, "object": obj, "created": self.spec.created,
                 "model": self.spec.model, "system_fingerprint": self.spec.system_fingerprint,
                 "choices": choices, "usage": usage}
 
-    def usage(self, states: list[ChoiceState]) -> dict[str, int]:
+    def usage(self, states: list[ChoiceState]) -> dict[str, Any]:
         prompt = sum(len(p.token_ids) for p in self.spec.prompts)
         completion = sum(len(s.token_ids) for s in states)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}
+        if self.chat is not None and self.chat.reasoning is not None:  # as vLLM: only then
+            reasoning = sum(p.reasoning_tokens for s in states if (p := self.parsed(s)))
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return usage
 
     def _logprobs(self, state: ChoiceState, entries: list[Any]) -> dict[str, Any] | None:
         top_n = self.spec.logprobs
@@ -77,12 +111,15 @@ class ResponseBuilder:
                 state.text_offset = len(prompt.text)
             logprobs = self._logprobs(state, state.logprobs)
             choice: dict[str, Any] = {"index": state.job.index}
-            if self.spec.kind is ApiKind.CHAT:
+            parsed = self.parsed(state)
+            if parsed is not None:
+                choice["message"] = parsed.message()
+            elif self.spec.kind is ApiKind.CHAT:
                 choice["message"] = {"role": "assistant", "content": state.text}
             else:
                 choice["text"] = (prompt.text if self.spec.echo else "") + state.text
-            choice.update(logprobs=logprobs, finish_reason=state.finish_reason,
-                          stop_reason=state.stop_reason)
+            finish = parsed.finish_reason(state.finish_reason) if parsed else state.finish_reason
+            choice.update(logprobs=logprobs, finish_reason=finish, stop_reason=state.stop_reason)
             self._add_token_ids(choice, state, state.token_ids, with_prompt=True)
             choices.append(choice)
         return self._envelope(self._full_object, choices, self.usage(states))
@@ -90,9 +127,13 @@ class ResponseBuilder:
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return self._envelope(self._chunk_object, [choice], None)
 
-    def _delta_choice(self, state: ChoiceState, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
+    def _delta_choice(self, state: ChoiceState, text: str | dict[str, Any], logprobs: Any,
+                      finish: str | None) -> dict[str, Any]:
+        """`text`: the new text, or (parsed chat) the delta's fields."""
         choice: dict[str, Any] = {"index": state.job.index}
-        if self.spec.kind is ApiKind.CHAT:
+        if isinstance(text, dict):
+            choice["delta"] = text or ({"content": ""} if finish is None else {})
+        elif self.spec.kind is ApiKind.CHAT:
             choice["delta"] = {"content": text} if text or finish is None else {}
         else:
             choice["text"] = text
@@ -116,14 +157,18 @@ class ResponseBuilder:
             elif self.spec.echo:
                 text = self.spec.prompts[state.job.prompt_index].text + text
                 state.text_offset = len(text) - len(out.new_text)
+        parsed = self.parsed(state)
+        payload: str | dict[str, Any] = delta_fields(parsed.feed(out)) if parsed else text
         wants_tokens = self.spec.logprobs is not None or self.spec.return_token_ids
-        if text or (out.new_token_ids and wants_tokens) or (first and self.spec.return_token_ids):
+        ids_first = first and self.spec.return_token_ids
+        if payload or (out.new_token_ids and wants_tokens) or ids_first:
             logprobs = self._logprobs(state, out.new_logprobs or [])
-            choice = self._delta_choice(state, text, logprobs, None)
+            choice = self._delta_choice(state, payload, logprobs, None)
             self._add_token_ids(choice, state, out.new_token_ids, with_prompt=first)
             chunks.append(self._chunk(choice))
         if out.finished:
-            chunks.append(self._chunk(self._delta_choice(state, "", None, state.finish_reason)))
+            finish = parsed.finish_reason(state.finish_reason) if parsed else state.finish_reason
+            chunks.append(self._chunk(self._delta_choice(state, "", None, finish)))
         return chunks
 
     def usage_chunk(self, states: list[ChoiceState]) -> dict[str, Any]:

@@ -11,6 +11,10 @@ On a prefill or decode worker a request may be a P/D leg (`kv_transfer_params`, 
 plus top-level `kv_transfer_params`; the decode leg loads the KV (before any response byte,
 so a failure is a plain HTTP error) and answers the whole completion, starting with the
 prefill's first token. `PDLegs` (pd_legs.py) does the KV side of both.
+
+A chat request's output may be parsed (tool calls, reasoning: `chat_output.py`); the decode
+leg parses it like a mixed worker, and a prefill leg says so in its answer
+(`OUTPUT_PARSED_FIELD`), so that the router sends none of the raw first token ahead.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from services.common.errors import BadRequestError, InternalServerError, NotFoun
 from services.common.json_body import dumps, json_response
 from services.common.middleware import REQUEST_ID_KEY
 from services.worker.admission import AdmissionControl
+from services.worker.chat_output import ChatOutputPlan, plan_chat_output
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient
 from services.worker.generation import (
@@ -55,7 +60,7 @@ from shared.engine.kv_connector import KVRequestOptions
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.structured_spec import InvalidStructuredOutput, StructuredOutputSpec
-from shared.protocol.pd import PHASES_HEADER, ApiKind
+from shared.protocol.pd import OUTPUT_PARSED_FIELD, PHASES_HEADER, ApiKind
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +162,9 @@ class GenerationService:
         arrival = time.monotonic()
         model = self.resolve_model(req.common.model)
         prompt = self.prompts.chat_prompt(req)
-        sampling, wanted = self._leg_sampling(leg, req.common.sampling, req.max_tokens)
+        plan = plan_chat_output(self.config.parsers, req.tools, prompt.text)
+        sampling = plan.sampling(req.common.sampling, self.engine.tokenizer)
+        sampling, wanted = self._leg_sampling(leg, sampling, req.max_tokens)
         max_tokens = self.prompts.max_tokens_for(len(prompt.token_ids), wanted,
                                                  "messages", req.max_tokens_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -165,10 +172,11 @@ class GenerationService:
         params = self.prompts.sampling_params(sampling, max_tokens, logprobs, renames)
         spec = self._spec(ApiKind.CHAT, req.common, model, [prompt], logprobs, echo=False)
         jobs = self._jobs(spec, [params], req.common.sampling.n)
-        return await self._execute(request, spec, jobs, req.common.stream, arrival, leg)
+        return await self._execute(request, spec, jobs, req.common.stream, arrival, leg, plan)
 
     async def _execute(self, request: web.Request, spec: ResponseSpec, jobs: list[ChoiceJob],
-                       stream: bool, arrival: float, leg: LegState | None) -> web.StreamResponse:
+                       stream: bool, arrival: float, leg: LegState | None,
+                       chat: ChatOutputPlan | None = None) -> web.StreamResponse:
         await self._compile_grammar(jobs[0].params.structured)
         kv: KVRequestOptions | None = None
         if leg is not None:
@@ -181,7 +189,7 @@ class GenerationService:
             timers = {job.index: ChoiceTimer(self.metrics, arrival,
                                              len(spec.prompts[job.prompt_index].token_ids))
                       for job in jobs}
-            builder = ResponseBuilder(spec, self.formatter)
+            builder = ResponseBuilder(spec, self.formatter, chat)
             headers: dict[str, str] = {}
             try:
                 async with running_choices(self.engine, jobs, spec.prompts, kv) as events:
@@ -192,10 +200,12 @@ class GenerationService:
                         headers[PHASES_HEADER] = dumps(load.phases())
                     if stream:
                         return await self._stream(request, builder, events, states, timers, headers)
-                    await self._collect(request, events, states, timers)
+                    await self._collect(request, builder, events, states, timers)
                 body = builder.full_body(list(states.values()))
                 if leg is not None and leg.is_prefill:
                     await self._export_kv(leg, spec, states[0], body)
+                    if builder.chat is not None:
+                        body[OUTPUT_PARSED_FIELD] = True
                 return json_response(body, headers=headers)
             finally:
                 for timer in timers.values():
@@ -223,11 +233,12 @@ class GenerationService:
                                                                  first)
         body["usage"]["prompt_tokens_details"] = {"cached_tokens": state.num_cached_tokens}
 
-    async def _collect(self, request: web.Request, events: Events,
+    async def _collect(self, request: web.Request, builder: ResponseBuilder, events: Events,
                        states: dict[int, ChoiceState], timers: dict[int, ChoiceTimer]) -> None:
         try:
             async for job, out in events:
                 states[job.index].update(out)
+                builder.observe(states[job.index], out)
                 timers[job.index].on_output(out)
         except EngineRequestError as exc:
             rid = request.get(REQUEST_ID_KEY)

@@ -34,6 +34,10 @@ VERSION_FIELD = "pd_version"
 PARAM = "kv_transfer_params"  # the request/response field that carries the contract
 ROUTING_FLAGS = frozenset({"do_remote_prefill", "do_remote_decode"})  # vLLM-style hints
 PHASES_HEADER = "x-pdmesh-phases"  # per-phase timings (decode -> router -> client)
+# Prefill -> router, top level of a chat prefill leg's answer: `true` when the workers parse
+# this request's output (tool calls, reasoning), so the raw first token must not be streamed
+# ahead of the decode: the decode may hold it back or turn it into reasoning or a call.
+OUTPUT_PARSED_FIELD = "output_parsed"
 
 
 class Role(StrEnum):

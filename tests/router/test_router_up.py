@@ -16,6 +16,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import openai
+import pydantic
 import pytest
 
 from services.router.supervisor import RestartPolicy
@@ -65,6 +67,22 @@ def _chat(port: int, content: str, max_tokens: int, model: str) -> str:
         return json.loads(resp.read())["choices"][0]["message"]["content"]
 
 
+class _Capital(pydantic.BaseModel):
+    country: str = pydantic.Field(max_length=30)
+    capital: str = pydantic.Field(max_length=30)
+
+
+def _check_sdk_parse(port: int) -> None:
+    """The openai SDK's `parse(response_format=<pydantic model>)` gets its object back."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    reply = client.chat.completions.parse(
+        model="smollm2-135m-instruct", response_format=_Capital, temperature=0, max_tokens=60,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    parsed = reply.choices[0].message.parsed
+    assert isinstance(parsed, _Capital) and parsed.capital
+
+
 def _child_pids(lines: list[str]) -> list[int]:
     return [int(line.split("(pid ")[1].split(")")[0]) for line in lines if "[up] started" in line]
 
@@ -88,6 +106,7 @@ def test_up_on_the_embedded_model_answers_a_chat_and_stops_clean():
         assert len(pids) == 3  # router, 1 prefill, 1 decode
         answer = _chat(port, "What is the capital of France?", 24, "smollm2-135m-instruct")
         assert "Paris" in answer
+        _check_sdk_parse(port)  # structured output through P/D, as an agent client asks it
     except BaseException:
         proc.kill()
         raise

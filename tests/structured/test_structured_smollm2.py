@@ -16,7 +16,6 @@ import pytest
 
 from services.kv_transfer.config import KVTransferConfig
 from services.worker.config import WorkerConfig
-from services.worker.tool_constraints import tool_calls_from_constrained_output
 from shared.config import EngineConfig
 from shared.protocol.pd import Role
 from tests.support.pd import SMOLLM2, dispatch_pull, post, settle_to_zero
@@ -94,11 +93,11 @@ def test_tool_choice_required_gives_valid_calls(smol: dict[str, WorkerThread]) -
         model=SMOLLM2, messages=[{"role": "user", "content": "What's the weather in Paris?"}],
         tools=TOOLS, tool_choice="required", n=4, seed=3, temperature=0.7, max_tokens=120)
     for choice in reply.choices:
-        assert choice.finish_reason == "stop", choice.message.content
-        calls = tool_calls_from_constrained_output("required", choice.message.content or "")
-        assert calls
-        for name, arguments in calls:
-            jsonschema.validate(json.loads(arguments), schemas[name])
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        calls = choice.message.tool_calls or []
+        assert calls and choice.message.content is None
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
 @pytest.mark.slow

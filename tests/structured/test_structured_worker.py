@@ -18,7 +18,6 @@ import jsonschema
 import openai
 import pytest
 
-from services.worker.tool_constraints import tool_calls_from_constrained_output
 from shared.config import EngineConfig
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.structured_spec import InvalidStructuredOutput, StructuredOutputSpec
@@ -72,10 +71,12 @@ def test_named_tool_choice_gives_that_tools_arguments(workers: dict[str, WorkerT
     reply = sdk(workers["mixed"]).chat.completions.create(
         model=MODEL, messages=MSG, tools=[WEATHER], tool_choice=choice, n=3, seed=2,
         temperature=1.0, max_tokens=60)
-    for c in reply.choices:  # tool_calls come from the lead's responses.py; read them here
-        calls = tool_calls_from_constrained_output(choice, c.message.content or "")
-        assert [name for name, _ in calls] == ["get_weather"]
-        jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
+    for c in reply.choices:  # the grammar's JSON, read back into message.tool_calls
+        calls = c.message.tool_calls or []
+        assert [call.function.name for call in calls] == ["get_weather"]
+        assert c.message.content is None and c.finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(calls[0].function.arguments),
+                            WEATHER["function"]["parameters"])
 
 
 @pytest.mark.parametrize(("extra", "param", "needle"), [

@@ -70,6 +70,8 @@ class FakeEngine:
 
     `step_delay` paces tokens; `gate`, when set, holds every request before its first token
     (admission and drain tests); a prompt containing b"FAIL" errors after two tokens.
+    `script`, when set, is what every request generates instead of letters: its UTF-8 bytes,
+    one token each, then EOS (a "model" that writes exactly a tool call or `<think>...`).
     """
 
     config: EngineConfig = field(default_factory=EngineConfig)
@@ -79,6 +81,7 @@ class FakeEngine:
     num_total_blocks: int = 512
     gate: asyncio.Event | None = None
     eos_at: int | None = None  # emit EOS at this position (unless ignore_eos)
+    script: str | None = None  # generate exactly this text (byte tokens), then EOS
     engine_id: str = "fake-engine-0"
     fingerprint: str = "f" * 64
     healthy: bool = True
@@ -152,10 +155,13 @@ class FakeEngine:
                     out.error = "injected engine failure"
                     yield out
                     return
-                token = EOS if self.eos_at == step else fake_token(prompt_token_ids, step, params.seed)
+                token = self._next_token(prompt_token_ids, step, params.seed)
                 tokens = [*tokens, token]
                 self.blocks[request_id] = -(-(len(prompt_token_ids) + len(tokens)) // self.block_size)
-                full = text + self.tokenizer.decode([token], params.skip_special_tokens)
+                # As the real engine: the EOS that stops a request adds no text.
+                stops = token == EOS and not (params.ignore_eos or params.include_stop_str_in_output)
+                full = text + ("" if stops else self.tokenizer.decode([token],
+                                                                      params.skip_special_tokens))
                 reason, stop_reason, full = self._finish(params, token, full, step)
                 now = time.monotonic()
                 metrics.first_token_time = metrics.first_token_time or now
@@ -168,6 +174,12 @@ class FakeEngine:
                     return
         finally:
             self.blocks.pop(request_id, None)
+
+    def _next_token(self, prompt: list[int], step: int, seed: int | None) -> int:
+        if self.script is not None:
+            scripted = self.script.encode("utf-8")
+            return scripted[step] if step < len(scripted) else EOS
+        return EOS if self.eos_at == step else fake_token(prompt, step, seed)
 
     @staticmethod
     def _logprobs(token: int, top_n: int | None) -> list[TokenLogprob] | None:

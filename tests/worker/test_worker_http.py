@@ -158,7 +158,9 @@ async def test_chat_tools_reach_the_template(client: TestClient) -> None:
                 {"role": "assistant", "content": None,
                  "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
                 {"role": "tool", "tool_call_id": "c1", "content": "42"}]
-    body = await post(client, "/v1/chat/completions", {"messages": messages, "tools": tools, "max_tokens": 1})
+    # "required": this worker has no --enable-auto-tool-choice for the default "auto".
+    body = await post(client, "/v1/chat/completions",
+                      {"messages": messages, "tools": tools, "tool_choice": "required", "max_tokens": 1})
     templ_messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""},
                       {"role": "tool", "content": "42"}]
     assert body["usage"]["prompt_tokens"] == len(rendered(templ_messages, tools))
