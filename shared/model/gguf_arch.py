@@ -1,0 +1,224 @@
+"""What pdmesh knows about each GGUF architecture: metadata keys -> HF config.json, tensor names.
+
+llama.cpp's converter (convert_hf_to_gguf.py) writes a model's hyper-parameters under
+`<arch>.*` keys and renames its tensors (`blk.N.attn_q.weight`...). This module maps both back
+to what HF transformers would have written, for the architectures the engine runs: `llama`
+(also what the converter calls Mistral and SmolLM), `qwen2` and `qwen3`. Everything here reads
+the GGUF header only (metadata and tensor infos), never tensor data.
+
+Q/K row order: the converter permutes the Q and K projections of its Llama family
+(`LlamaModel.permute`, for GPT-J style pairwise RoPE in llama.cpp) and of nothing else; Qwen2 and
+Qwen3 are written in HF order (llama.cpp runs them with NEOX RoPE). `PERMUTED_QK` lists the
+architectures whose Q/K weights (and biases) are un-permuted on import.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+
+    from shared.model.gguf_tokenizer import GgufVocab
+
+WEIGHTS_DTYPE = "float32"
+HF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+PERMUTED_QK = frozenset({"llama"})
+# GGMLQuantizationType names dequantised on import (with gguf.quants.dequantize), each tested.
+# (Names, so that importing this module, and the registry, does not import gguf.)
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K",
+                          "Q5_K", "Q6_K")
+# HF defaults where a GGUF omits a key (llama.cpp's converter writes them all in practice).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"context_length": 2048, "rms_eps": 1e-5},
+    "qwen2": {"context_length": 32768, "rms_eps": 1e-6},
+    "qwen3": {"context_length": 32768, "rms_eps": 1e-6},
+}
+
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_TENSOR_RE = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)$")
+
+
+class UnsupportedGgufError(ValueError):
+    """A GGUF file pdmesh refuses: its architecture, a tensor, a type or a tokenizer."""
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """GGUF tensor name -> HF parameter name; raises for tensors we do not understand."""
+    m = _TENSOR_RE.match(gguf_name)
+    if m is not None:
+        layer, base, kind = m.groups()
+        if layer is None and base in _TOP_NAMES:
+            return f"{_TOP_NAMES[base]}.{kind}"
+        if layer is not None and base in _BLOCK_NAMES:
+            return f"model.layers.{layer}.{_BLOCK_NAMES[base]}.{kind}"
+    hint = " (llama3 rope scaling)" if gguf_name == "rope_freqs.weight" else ""
+    raise UnsupportedGgufError(f"unsupported GGUF tensor {gguf_name!r}{hint}")
+
+
+def field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """A metadata value as a Python value, or `default` when the key is absent."""
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_architecture(reader: GGUFReader) -> str:
+    """`general.architecture`, refused unless the engine runs it."""
+    arch = field(reader, "general.architecture")
+    if arch not in HF_ARCHITECTURES:
+        raise UnsupportedGgufError(
+            f"GGUF architecture {arch!r} is not supported by the engine "
+            f"(supported GGUF architectures: {', '.join(HF_ARCHITECTURES)})")
+    return str(arch)
+
+
+def check_single_file(reader: GGUFReader) -> None:
+    """Refuse one part of a split GGUF (llama-gguf-split): its tensors are spread over files."""
+    count = int(field(reader, "split.count", 1))
+    if count > 1:
+        raise UnsupportedGgufError(
+            f"this GGUF is one of {count} split parts; merge them into one file first "
+            "(llama-gguf-split --merge FIRST_PART OUT.gguf)")
+
+
+def check_tensor_types(reader: GGUFReader) -> None:
+    """Refuse the first tensor whose type we do not dequantise, naming tensor and type."""
+    for t in reader.tensors:
+        if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+            names = ", ".join(SUPPORTED_TENSOR_TYPES)
+            raise UnsupportedGgufError(
+                f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which pdmesh cannot "
+                f"load (supported: {names})")
+
+
+def _hyper(reader: GGUFReader, arch: str) -> dict[str, Any]:
+    """The `<arch>.*` hyper-parameters the engine needs, refusing what it cannot run."""
+    def get(key: str, default: Any = None) -> Any:
+        value = field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise UnsupportedGgufError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise UnsupportedGgufError("GGUF attention.value_length != key_length is not supported")
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise UnsupportedGgufError("partial rotary embeddings are not supported")
+    if get("rope.scaling.type", "none") != "none":
+        raise UnsupportedGgufError(f"GGUF rope scaling {get('rope.scaling.type')!r} is not "
+                                   "supported")
+    defaults = _DEFAULTS[arch]
+    return {
+        "hidden": hidden, "heads": heads, "head_dim": head_dim,
+        "ffn": int(get("feed_forward_length")), "layers": int(get("block_count")),
+        "kv_heads": int(get("attention.head_count_kv", heads)),
+        "rms_eps": float(get("attention.layer_norm_rms_epsilon", defaults["rms_eps"])),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "context": int(get("context_length", defaults["context_length"])),
+    }
+
+
+def build_config(reader: GGUFReader, vocab: GgufVocab) -> dict[str, Any]:
+    """config.json (as HF transformers writes it) from the GGUF's `<arch>.*` hyper-parameters.
+
+    vocab_size is the embedding's row count (it may exceed the tokenizer's); embeddings are tied
+    when the file has no separate `output.weight`; llama and qwen3 carry attention biases (q, k,
+    v and o) when the file has `blk.0.attn_q.bias` (qwen2 always has q/k/v biases).
+    """
+    arch = gguf_architecture(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise UnsupportedGgufError("GGUF has no token_embd.weight")
+    h = _hyper(reader, arch)
+    config: dict[str, Any] = {
+        "architectures": [HF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": h["hidden"],
+        "intermediate_size": h["ffn"],
+        "num_hidden_layers": h["layers"],
+        "num_attention_heads": h["heads"],
+        "num_key_value_heads": h["kv_heads"],
+        "head_dim": h["head_dim"],
+        "hidden_act": "silu",
+        "rms_norm_eps": h["rms_eps"],
+        "rope_theta": h["rope_theta"],
+        "rope_scaling": None,
+        "max_position_embeddings": h["context"],
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),  # GGUF shapes are (cols, rows)
+        "tie_word_embeddings": "output.weight" not in tensors,
+    }
+    if arch in ("llama", "qwen3"):
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "llama":
+        config["mlp_bias"] = False
+    else:
+        config.update(sliding_window=None, use_sliding_window=False)
+    config.update({
+        "bos_token_id": vocab.bos_token_id,
+        "eos_token_id": vocab.eos_token_id,
+        "pad_token_id": vocab.pad_token_id,
+        "torch_dtype": WEIGHTS_DTYPE,
+        "use_cache": True,
+    })
+    return config
+
+
+def expected_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor a checkpoint with config.json `c` stores."""
+    h, kv = c["hidden_size"], c["num_key_value_heads"] * c["head_dim"]
+    q, ffn = c["num_attention_heads"] * c["head_dim"], c["intermediate_size"]
+    qkv_bias = c["model_type"] == "qwen2" or c.get("attention_bias", False)
+    out: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,)}
+    if not c["tie_word_embeddings"]:
+        out["lm_head.weight"] = (c["vocab_size"], h)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out.update({
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
+            p + "mlp.down_proj.weight": (h, ffn), p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        })
+        if qkv_bias:
+            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                        p + "self_attn.v_proj.bias": (kv,)})
+        if c.get("attention_bias", False):
+            out[p + "self_attn.o_proj.bias"] = (h,)
+        if c["model_type"] == "qwen3":
+            out.update({p + "self_attn.q_norm.weight": (c["head_dim"],),
+                        p + "self_attn.k_norm.weight": (c["head_dim"],)})
+    return out
+
+
+def check_shapes(reader: GGUFReader, config: dict[str, Any]) -> None:
+    """Refuse a file whose tensors (names and shapes, from the header) do not form the model
+    config.json describes: a missing, extra or misshapen tensor is named."""
+    got = {hf_tensor_name(t.name): tuple(int(d) for d in reversed(t.shape.tolist()))
+           for t in reader.tensors}
+    expected = expected_shapes(config)
+    if got != expected:
+        bad = sorted(set(got.items()) ^ set(expected.items()))[:6]
+        raise UnsupportedGgufError(
+            f"GGUF tensors do not form a {config['model_type']} checkpoint; mismatches "
+            f"(name, shape): {bad}")
