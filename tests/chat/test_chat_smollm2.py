@@ -18,19 +18,8 @@ from services.worker.config import WorkerConfig
 from services.worker.parsers_config import ParsersConfig
 from shared.config import EngineConfig
 from tests.support.pd import SMOLLM2
+from tests.support.tools import TOOLS
 from tests.support.worker import WorkerThread
-
-TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                      "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "get_time", "description": "Time in a city",
-                                      "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
-        "required": ["city"], "additionalProperties": False}}},
-]
 
 
 class Capital(pydantic.BaseModel):

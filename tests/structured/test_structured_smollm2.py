@@ -19,6 +19,7 @@ from services.worker.config import WorkerConfig
 from shared.config import EngineConfig
 from shared.protocol.pd import Role
 from tests.support.pd import SMOLLM2, dispatch_pull, post, settle_to_zero
+from tests.support.tools import TOOLS
 from tests.support.worker import WorkerThread, start_workers, stop_all
 
 BOOK = {
@@ -40,17 +41,6 @@ BOOK = {
 ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 30},
                                           "confidence": {"enum": ["low", "high"]}},
           "required": ["answer", "confidence"], "additionalProperties": False}
-TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                      "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "get_time", "description": "Time in a city",
-                                      "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
-        "required": ["city"], "additionalProperties": False}}},
-]
 
 
 def config(role: str) -> WorkerConfig:
