@@ -8,7 +8,8 @@ count), the repeated role delta and the repeated prompt ids.
 A prefill whose answer says its output is parsed (`OUTPUT_PARSED_FIELD`: the workers read tool
 calls or reasoning out of it) gets no early chunks: the decode's parser may hold that first
 token back or turn it into reasoning or a call, and text already sent cannot be taken back.
-Its skipper then cuts nothing.
+Its skipper then cuts nothing. (The orchestrator also asks the decode's metadata: a decode with
+a reasoning parser gets no early chunks whatever its prefill says.)
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def early_chunks(kind: ApiKind, prefill: dict[str, Any], include_usage: bool) ->
         return []
     base = {"id": prefill.get("id"), "object": kind.chunk_object,
             "created": prefill.get("created"), "model": prefill.get("model")}
+    if "system_fingerprint" in prefill:  # the same engine fingerprint the decode's chunks carry
+        base["system_fingerprint"] = prefill["system_fingerprint"]
     if include_usage:
         base["usage"] = None
     chunks: list[dict] = []

@@ -32,6 +32,9 @@ class RouterMetrics:
                                      "Requests served whole on one worker because no P/D leg "
                                      "serves them, by reason (n, prompts) and worker role",
                                      ["reason", "role"], registry=r)
+        self.early_first_tokens = Counter(
+            "pdmesh:router_early_first_tokens", "Streams whose first token the router sent from "
+            "the prefill's answer, before the decode leg answered", registry=r)
         self.retries = Counter("pdmesh:router_retries", "Re-dispatches after a failed leg",
                                ["leg"], registry=r)
         self.upstream_failures = Counter("pdmesh:router_upstream_failures",

@@ -280,7 +280,7 @@ class Orchestrator:
                           start: float) -> web.StreamResponse:
         early: tuple[FirstTokenSkipper, str] | None = None
         if isinstance(prefill, dict):  # pull: the first token goes out before decode starts
-            early = await self._send_early(req, out, prefill)
+            early = await self._send_early(req, out, prefill, worker)
         async with self._on(worker, leg), AsyncExitStack() as stack:
             opening = asyncio.ensure_future(stack.enter_async_context(self._upstream.stream(
                 worker.id, worker.url + req.path, body, req.request_id)))
@@ -288,7 +288,7 @@ class Orchestrator:
             stack.push_async_callback(_cancel, opening)
             if isinstance(prefill, asyncio.Task):  # push: both legs run, prefill answers first
                 prefill = await _race(asyncio.shield(prefill), opening)
-                early = await self._send_early(req, out, prefill)
+                early = await self._send_early(req, out, prefill, worker)
             resp: aiohttp.ClientResponse = await opening
             req.phases.merge_reported(resp.headers.get(PHASES_HEADER))
             cached = cached_tokens_of(prefill) if isinstance(prefill, dict) else None
@@ -303,11 +303,18 @@ class Orchestrator:
         req.phases.decode_ms = (time.monotonic() - start) * 1000.0
         return await out.finish()
 
-    async def _send_early(self, req: ClientRequest, out: ClientStream,
-                          prefill: dict[str, Any]) -> tuple[FirstTokenSkipper, str] | None:
+    async def _send_early(self, req: ClientRequest, out: ClientStream, prefill: dict[str, Any],
+                          decode: Worker) -> tuple[FirstTokenSkipper, str] | None:
         if not (self._cfg.early_first_token and can_stream_first_token_early(req.body)):
             return None
+        if req.kind is ApiKind.CHAT and decode.metadata and decode.metadata.reasoning_parser:
+            # The decode reads reasoning out of its chat output and may hold the first token
+            # back: it is the decode's parser that decides, whatever the prefill says.
+            return None
         include_usage = bool((req.body.get("stream_options") or {}).get("include_usage"))
-        for chunk in early_chunks(req.kind, prefill, include_usage):
+        chunks = early_chunks(req.kind, prefill, include_usage)
+        for chunk in chunks:
             await out.send(chunk)
+        if chunks:
+            self._metrics.early_first_tokens.inc()
         return FirstTokenSkipper(req.kind, prefill), str(prefill.get("id"))

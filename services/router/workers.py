@@ -66,6 +66,9 @@ class WorkerMetadata:
     running: int = 0
     waiting: int = 0
     kernels: dict[str, Any] = field(default_factory=dict)  # relayed as reported, never routed on
+    # The reasoning parser its chat output is read with (None: plain text). A decode that parses
+    # may hold the prefill's first token back, so the router sends nothing early to it.
+    reasoning_parser: str | None = None
 
     @staticmethod
     def parse(doc: Mapping[str, Any]) -> WorkerMetadata:
@@ -121,6 +124,7 @@ class WorkerMetadata:
             running=int(_get(doc, "load.num_running", "load.running", default=0)),
             waiting=int(_get(doc, "load.num_waiting", "load.waiting", default=0)),
             kernels=dict(_get(doc, "kernels", default={})),
+            reasoning_parser=_get(doc, "parsers.reasoning_parser") or None,
         )
 
 

@@ -5,13 +5,15 @@ for tools (the request says so).
 
 Workers: a tiny random model (fp32, greedy: P/D gives the mixed worker's tokens) with hermes +
 qwen3; a user message holding `<think>` makes the generation start inside reasoning, so the
-whole random output is reasoning. Chunks the router makes up itself (the early first token)
-carry no `system_fingerprint`: that is how the tests see whether it sent any.
+whole random output is reasoning. The router counts the streams it sent an early first token
+on (`pdmesh:router_early_first_tokens_total`): that is how the tests see whether it sent any.
+A second pair has the reasoning parser on the decode only: the decode's metadata decides.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.router.app import create_app
 from services.router.config import Policy, RouterConfig
@@ -46,7 +49,13 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, WorkerThr
 
 @pytest.fixture
 async def router(pd: dict[str, WorkerThread]) -> AsyncIterator[str]:
-    config = RouterConfig(prefill_urls=(pd["prefill"].url,), decode_urls=(pd["decode"].url,),
+    async with _router(pd["prefill"].url, pd["decode"].url) as url:
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def _router(prefill_url: str, decode_url: str) -> AsyncIterator[str]:
+    config = RouterConfig(prefill_urls=(prefill_url,), decode_urls=(decode_url,),
                           prefill_policy=Policy.LEAST_LOADED, health_interval_s=0.05,
                           health_timeout_s=2.0)
     assert config.early_first_token
@@ -65,8 +74,21 @@ def joined(answer: Answer, key: str) -> str:
                    for c in answer.chunks if c.get("choices"))
 
 
-def made_by_router(answer: Answer) -> list[dict[str, Any]]:
-    return [c for c in answer.chunks if c.get("choices") and "system_fingerprint" not in c]
+async def early_streams(s: aiohttp.ClientSession, router: str) -> float:
+    async with s.get(router + "/metrics") as resp:
+        text = await resp.text()
+    for family in text_string_to_metric_families(text):
+        if family.name == "pdmesh:router_early_first_tokens":
+            return sum(m.value for m in family.samples if m.name.endswith("_total"))
+    raise AssertionError("the router exports no early-first-token counter")
+
+
+async def streamed_early(s: aiohttp.ClientSession, router: str, path: str,
+                         body: dict[str, Any]) -> tuple[Answer, bool]:
+    """POST a stream through the router; also whether the router sent its first token early."""
+    before = await early_streams(s, router)
+    answer = await post(s, router + path, body)
+    return answer, await early_streams(s, router) > before
 
 
 async def test_reasoning_through_pd_is_the_mixed_answer_with_nothing_sent_early(
@@ -78,18 +100,21 @@ async def test_reasoning_through_pd_is_the_mixed_answer_with_nothing_sent_early(
         assert message["content"] is None and message["reasoning_content"]
         whole = await post(s, router + "/v1/chat/completions", body)
         assert whole.body["choices"][0]["message"] == message
-        streamed = await post(s, router + "/v1/chat/completions", {
+        streamed, early = await streamed_early(s, router, "/v1/chat/completions", {
             **body, "stream": True, "stream_options": {"include_usage": True}})
-        assert streamed.status == 200 and not made_by_router(streamed), streamed.chunks[:2]
+        assert streamed.status == 200 and not early, streamed.chunks[:2]
         assert joined(streamed, "reasoning_content") == message["reasoning_content"]
         assert joined(streamed, "content") == ""
         usage = streamed.chunks[-1]["usage"]
         assert usage["completion_tokens_details"] == ref.body["usage"][
             "completion_tokens_details"] == {"reasoning_tokens": usage["completion_tokens"]}
         # The early first token is on in this router: an unparsed request gets it.
-        plain = await post(s, router + "/v1/completions", {
+        plain, early = await streamed_early(s, router, "/v1/completions", {
             "model": MODEL, "prompt": "Once upon", "max_tokens": 4, "stream": True})
-        assert made_by_router(plain)
+        assert plain.status == 200 and early
+        # Chunks the router makes up carry the engine fingerprint the decode's chunks carry.
+        assert {c.get("system_fingerprint") for c in plain.chunks if c.get("choices")} == {
+            ref.body["system_fingerprint"]}
         await settle_to_zero(s, pd["prefill"].url, pd["decode"].url)
 
 
@@ -100,7 +125,40 @@ async def test_tools_through_pd_send_nothing_early(pd: dict[str, WorkerThread],
     async with aiohttp.ClientSession() as s:
         ref = await post(s, pd["mixed"].url + "/v1/chat/completions", body)
         assert ref.status == 200, ref.body
-        streamed = await post(s, router + "/v1/chat/completions", {**body, "stream": True})
-        assert streamed.status == 200 and not made_by_router(streamed), streamed.chunks[:2]
+        streamed, early = await streamed_early(s, router, "/v1/chat/completions",
+                                               {**body, "stream": True})
+        assert streamed.status == 200 and not early, streamed.chunks[:2]
         assert (joined(streamed, "content") or None) == ref.body["choices"][0]["message"]["content"]
         await settle_to_zero(s, pd["prefill"].url, pd["decode"].url)
+
+
+@pytest.fixture(scope="module")
+def decode_parses_only(tmp_path_factory: pytest.TempPathFactory,
+                       pd: dict[str, WorkerThread]) -> Iterator[dict[str, WorkerThread]]:
+    """A prefill with no parser in front of a decode with the reasoning parser."""
+    model = make_model(tmp_path_factory.mktemp("chat-pd-decode") / "tiny", seed=0)
+    configs = {"prefill": worker_config(model, "prefill"),
+               "decode": dataclasses.replace(worker_config(model, "decode"), parsers=PARSERS)}
+    workers = start_workers(configs)
+    try:
+        yield workers
+    finally:
+        stop_all(workers)
+
+
+async def test_the_decodes_reasoning_parser_stops_the_early_token(
+        pd: dict[str, WorkerThread], decode_parses_only: dict[str, WorkerThread]) -> None:
+    # The prefill's answer does not say "parsed" (it has no parser): only the decode's metadata
+    # tells the router that the first token may become reasoning.
+    pair = decode_parses_only
+    body = {"model": MODEL, "messages": THINKING, "max_tokens": 12, "temperature": 0,
+            "stream": True}
+    async with aiohttp.ClientSession() as s, _router(pair["prefill"].url,
+                                                     pair["decode"].url) as router:
+        ref = await post(s, pd["mixed"].url + "/v1/chat/completions", {**body, "stream": False})
+        message = ref.body["choices"][0]["message"]
+        streamed, early = await streamed_early(s, router, "/v1/chat/completions", body)
+        assert streamed.status == 200 and not early, streamed.chunks[:2]
+        assert joined(streamed, "reasoning_content") == message["reasoning_content"]
+        assert joined(streamed, "content") == ""
+        await settle_to_zero(s, pair["prefill"].url, pair["decode"].url)
