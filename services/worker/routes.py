@@ -122,6 +122,12 @@ async def health(request: web.Request) -> web.Response:
     return json_response({"status": "ok"})
 
 
+async def live(request: web.Request) -> web.Response:
+    """Liveness: 200 while the event loop answers, whatever the engine's state (a loading or
+    draining worker is alive; /health is the readiness check)."""
+    return json_response({"status": "alive"})
+
+
 async def metadata(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME_KEY]
     service = _service(request)
@@ -139,5 +145,6 @@ def routes(runtime: WorkerRuntime) -> list[web.AbstractRouteDef]:
         web.post("/tokenize", tokenize),
         web.post("/detokenize", detokenize),
         web.get("/health", health),
+        web.get("/live", live),
         web.get("/metrics", make_aiohttp_handler(runtime.metrics.registry)),
     ]

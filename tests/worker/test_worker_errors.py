@@ -195,6 +195,28 @@ async def test_503_until_ready() -> None:
         await client.close()
 
 
+async def test_live_is_independent_of_readiness_and_keys() -> None:
+    """/live is the liveness probe: 200 while loading (when /health says 503) and without an API
+    key, so a kubelet never restarts a worker that is only slow to load."""
+    from aiohttp.test_utils import TestServer
+
+    from tests.support.worker import factory_for
+
+    app = create_app(worker_config(api_keys=("k1",)), factory_for(SlowStartEngine()))
+    loading = TestClient(TestServer(app))
+    ready = await start_client(worker_config(), FakeEngine())
+    await loading.start_server()
+    try:
+        await expect_error(await loading.get("/health"), 503, code="not_ready")
+        for client in (loading, ready):
+            resp = await client.get("/live")
+            assert resp.status == 200 and await resp.json() == {"status": "alive"}
+        assert (await ready.get("/health")).status == 200
+    finally:
+        await loading.close()
+        await ready.close()
+
+
 async def test_lone_surrogates_are_400_but_escaped_pairs_work(client: TestClient) -> None:
     for raw in (b'{"prompt": "a\\ud800b"}', b'{"prompt": "x", "model": "\\udfff"}',
                 b'{"messages": [{"role": "user", "content": "\\ud800"}]}'):
