@@ -187,3 +187,31 @@ def native_decoder(path: KernelPath) -> NativeDecoder | None:
     if path.backend is Backend.REFERENCE or path.library is None:
         return None
     return NativeDecoder(path)
+
+
+def pack_contiguous(tensors: list[torch.Tensor | None], align: int = 64) -> int:
+    """Move every tensor (contiguous, distinct) into one buffer, in list order; returns its size.
+
+    Each tensor keeps its identity, dtype and shape and takes the new storage (`t.data = ...`),
+    so a module whose Parameter is in the list reads the same numbers from the new place and
+    nothing is held twice. Why: a decode step streams the fused stack in exactly this order,
+    and the GEMV's software prefetch runs a few KiB ahead of each matrix; when the next
+    matrix starts where this one ends, that prefetch (and the hardware's) already fetches it.
+    Measured on SmolLM2-135M, 30 layers, m = 1, 2 threads: ~8% less time than the same
+    weights in their separate allocations.
+    """
+    live = [t for t in tensors if t is not None]
+    if len({t.data_ptr() for t in live}) != len(live):
+        raise ValueError("pack_contiguous: a tensor appears twice (or two share storage)")
+    sizes = [(t.numel() * t.element_size() + align - 1) // align * align for t in live]
+    arena = torch.empty(sum(sizes) + align, dtype=torch.uint8)
+    offset = (-arena.data_ptr()) % align
+    for t, size in zip(live, sizes, strict=True):
+        if not t.is_contiguous():
+            raise ValueError("pack_contiguous: tensors must be contiguous")
+        nbytes = t.numel() * t.element_size()
+        view = arena[offset:offset + nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        t.data = view
+        offset += size
+    return int(arena.numel())

@@ -24,6 +24,7 @@ from kernels.dense.layer import (
     NativeDecoder,
     Projection,
     StepTables,
+    pack_contiguous,
 )
 from kernels.mxfp4.backend import FUSED_MAX_ROWS
 from shared.model.attention import AttentionMetadata, paged_attention
@@ -276,6 +277,8 @@ class LlamaForCausalLM(nn.Module):
         # Every layer fused: the whole stack runs as one native call per step.
         self._fused_stack = ([t for w in fused for t in w.as_list()]
                              if len(fused) == len(self.layers) else None)
+        if self._fused_stack is not None:  # one arena, in the order each step reads it
+            pack_contiguous(self._fused_stack)
         self._stack_packed = any(w.packed for w in fused)
         return len(fused)
 

@@ -38,11 +38,25 @@ inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+// Software prefetch of each weight row kPrefetchBytes ahead, into L2. The weights are on 4 KiB
+// pages (no transparent huge pages for them), and the L2 streamer stops at every page boundary,
+// so without it each core keeps only as many misses in flight as its fill buffers allow:
+// measured ~9 GB/s per core. With it, SmolLM2-135M's 30 fused layers at m = 1, 2 threads
+// (Intel SPR under KVM): 11.5 ms -> 8.5 ms; 1-2 KiB ahead was slower, 8 KiB slower still, and
+// T1 (L2) was a little faster than T0. Prefetching past the end of the matrix is harmless: a
+// prefetch never faults.
+constexpr int64_t kPrefetchBytes = 4096;
+
 // One K chunk (32 elements at k) of weight rows n..n+C-1 against R rows of x. kDp: vdpbf16ps
 // on bf16 x; else fp32 FMA on the even/odd halves of the weights against x reordered alike.
 template <bool kDp, int R, int C>
 inline void step(const GemvArgs& a, int64_t r0, int64_t n, int64_t k, bool tail,
                  __mmask32 mask, __m512 (&acc)[R][C]) {
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
+    _mm_prefetch(reinterpret_cast<const char*>(a.w + (n + c) * a.ldw + k) + kPrefetchBytes,
+                 _MM_HINT_T1);
+  }
   if constexpr (kDp) {
     __m512i w[C];
 #pragma GCC unroll 4
