@@ -139,5 +139,10 @@ class EndpointSliceWatcher:
 
     def _publish(self) -> None:
         note = None if self._slices else f"no EndpointSlice for service {self._target.service}"
+        portless = sorted(name for name, s in self._slices.items()
+                          if slice_port(s, self._target) is None)
+        if portless:  # a wrong port name, or several ports and none chosen
+            note = (f"EndpointSlice(s) {', '.join(portless)} have no port "
+                    f"{self._target.port_name or '(several: name one in the URL)'}")
         self._members.update(self._target, ready_urls(self._slices.values(), self._target),
                              note=note)

@@ -28,6 +28,7 @@ from services.router.config import (
     Policy,
     RouterConfig,
 )
+from services.router.discovery import system_resolver, worker_url
 from services.router.state import STATE_KEY
 from services.router.workers import Membership
 from tests.support.dns import FakeResolver
@@ -260,3 +261,9 @@ def test_the_router_does_not_import_the_kubernetes_client_unless_asked():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+async def test_the_system_resolver_and_worker_urls():
+    assert await system_resolver("127.0.0.3", 8200) == ["127.0.0.3"]
+    assert worker_url("127.0.0.3", 8200) == "http://127.0.0.3:8200"
+    assert worker_url("fd00::1", 8200) == "http://[fd00::1]:8200"

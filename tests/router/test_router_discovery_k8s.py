@@ -171,3 +171,30 @@ async def test_a_wrong_token_is_reported_not_fatal(tmp_path: Path):
     finally:
         await router.close()
         await api.close()
+
+
+def test_ready_urls_pick_the_port_and_skip_unready_endpoints():
+    from kubernetes_asyncio.client import (
+        DiscoveryV1EndpointPort,
+        V1Endpoint,
+        V1EndpointConditions,
+        V1EndpointSlice,
+        V1ObjectMeta,
+    )
+
+    from services.router.k8s_discovery import ready_urls
+
+    def endpoint(address: str, ready: bool | None) -> V1Endpoint:
+        return V1Endpoint(addresses=[address], conditions=V1EndpointConditions(ready=ready))
+
+    two_ports = V1EndpointSlice(
+        address_type="IPv6", metadata=V1ObjectMeta(name="s"),
+        endpoints=[endpoint("fd00::1", None), endpoint("fd00::2", False),
+                   endpoint("fd00::3", True)],
+        ports=[DiscoveryV1EndpointPort(name="http", port=8200),
+               DiscoveryV1EndpointPort(name="kv", port=14580)])
+    want = {"http://[fd00::1]:8200", "http://[fd00::3]:8200"}
+    assert ready_urls([two_ports], DiscoveryTarget.parse("k8s://ns/svc:http")) == want
+    assert ready_urls([two_ports], DiscoveryTarget.parse("k8s://ns/svc:8200")) == want
+    assert ready_urls([two_ports], DiscoveryTarget.parse("k8s://ns/svc")) == set()  # ambiguous
+    assert ready_urls([two_ports], DiscoveryTarget.parse("k8s://ns/svc:grpc")) == set()
