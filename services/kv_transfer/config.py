@@ -8,6 +8,7 @@ the compat hash always comes from that class's `mode` attribute.
 from __future__ import annotations
 
 import argparse
+import socket
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,13 +18,26 @@ from shared.protocol.messages import ROLES, TRANSFER_MODES
 
 KV_SECRET_ENV = "PDMESH_KV_SECRET"
 DEFAULT_KV_PORT = 14579
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def own_address() -> str:
+    """This machine's address as peers reach it: what its hostname resolves to. In a container
+    or a pod that is its own IP (from /etc/hosts), unlike a service name, which resolves to
+    every replica; the hostname itself if it does not resolve."""
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return name
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
     """Settings of one KV-transfer service (one per prefill or decode worker).
 
-    `advertise_host` is what goes into kv_transfer_params (defaults to `host`). Leases last
+    `advertise_host` is what goes into kv_transfer_params (defaults to `host`; `from_args` sets
+    it to `own_address()` for a wildcard bind). Leases last
     `lease_seconds`; decode heartbeats every lease/6 extend them to now + 2/3 lease. A push
     rendezvous waits at most `push_deadline_seconds` for the other leg. `layer_start`/
     `layer_end` (None: all) and `pp_size` describe a pipeline stage for negotiation;
@@ -95,7 +109,10 @@ class KVTransferConfig:
         secret = environ.get(KV_SECRET_ENV, "")
         return cls(
             role=role, mode=args.transfer_mode, host=args.kv_host, port=args.kv_port,
-            advertise_host=args.kv_advertise_host, lease_seconds=args.kv_lease_seconds,
+            # A wildcard bind names no address a peer can use: advertise our own.
+            advertise_host=args.kv_advertise_host or (
+                own_address() if args.kv_host in WILDCARD_HOSTS else None),
+            lease_seconds=args.kv_lease_seconds,
             push_deadline_seconds=args.kv_push_deadline_seconds,
             secret=secret.encode() if secret else None,
             allow_incompatible=args.kv_allow_incompatible,
@@ -109,7 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-host", default=d.host, help="KV service bind address")
     g.add_argument("--kv-port", type=int, default=d.port, help="KV service port")
     g.add_argument("--kv-advertise-host", default=None,
-                   help="host put in kv_transfer_params (default: --kv-host)")
+                   help="host put in kv_transfer_params and metadata (default: --kv-host; "
+                   "with --kv-host 0.0.0.0, this machine's own address: what its hostname "
+                   "resolves to, so each replica of a scaled service is reached directly)")
     g.add_argument("--transfer-mode", "--kv-mode", dest="transfer_mode", default=d.mode,
                    choices=TRANSFER_MODES, help="KV transfer mode (part of the compat hash)")
     g.add_argument("--kv-lease-seconds", type=float, default=d.lease_seconds,

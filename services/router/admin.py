@@ -16,11 +16,13 @@ from aiohttp import web
 from services.common.errors import (
     AuthenticationError,
     BadRequestError,
+    ConflictError,
     NotFoundError,
     ServiceUnavailableError,
 )
 from services.common.json_body import json_response, read_json_object
 from services.common.middleware import ApiKeyAuth
+from services.router.discovery import DISCOVERY_KEY
 from services.router.errors import AdminDisabledError
 from services.router.state import STATE_KEY, RouterState
 from shared.protocol.pd import Role
@@ -72,10 +74,14 @@ async def delete_worker(request: web.Request) -> web.Response:
     """By id, or by URL (percent-encoded in the path)."""
     state = _require_admin(request)
     key = request.match_info["worker_id"]
-    try:
-        worker = state.registry.remove(key)
-    except KeyError:
-        raise NotFoundError(f"No worker {key!r}", code="worker_not_found") from None
+    found = state.registry.find(key)
+    if found is None:
+        raise NotFoundError(f"No worker {key!r}", code="worker_not_found")
+    if found.discovered_by is not None:
+        # Discovery would add it back at its next round; its address leaving removes it.
+        raise ConflictError(f"Worker {found.id} was found by {found.discovered_by}; it leaves "
+                            "when its address does", code="worker_discovered")
+    worker = state.registry.remove(found.id)
     state.pairing.prefix.forget(worker.id)
     state.metrics.observe_registry(state.registry)
     return json_response({"id": worker.id, "url": worker.url, "removed": True})
@@ -111,6 +117,7 @@ async def router_metadata(request: web.Request) -> web.Response:
         "router": describe_router(state),
         "workers": [w.describe() for w in state.registry.all()],
         "groups": [g.describe() for g in groups],
+        "discovery": request.app[DISCOVERY_KEY].describe(state.registry),
         "servable": servable,
         "reason": None if servable else state.registry.unservable_reason(),
     })

@@ -21,6 +21,7 @@ from services.common.middleware import ApiKeyAuth, api_prefix_predicate, install
 from services.router import admin, api
 from services.router.admission import Admission
 from services.router.config import RouterConfig
+from services.router.discovery import DISCOVERY_KEY, DiscoveredWorkers, Discovery, Resolver
 from services.router.health import HealthChecker, Jobs
 from services.router.leases import LeaseReleaser
 from services.router.metrics import RouterMetrics
@@ -85,6 +86,20 @@ async def health_context(app: web.Application) -> AsyncIterator[None]:
         await asyncio.gather(task, return_exceptions=True)
 
 
+async def discovery_context(app: web.Application) -> AsyncIterator[None]:
+    """Start finding workers (--discover) once health checks run; stop before the sessions
+    close."""
+    state, discovery = app[STATE_KEY], app[DISCOVERY_KEY]
+    targets = state.config.discovery.targets
+    if targets:
+        discovery.start(DiscoveredWorkers(state.registry, state.rt.checker,
+                                          state.pairing.prefix, state.metrics, targets))
+    try:
+        yield
+    finally:
+        await discovery.close()
+
+
 def _auth_middleware(config: RouterConfig) -> Any:
     """The client API key on API paths and on reads of the worker list."""
     api_paths = api_prefix_predicate(API_PATHS)
@@ -103,8 +118,9 @@ def _auth_middleware(config: RouterConfig) -> Any:
     return router_auth
 
 
-def create_app(config: RouterConfig) -> web.Application:
-    """The router app; workers from the config are registered now and checked at startup."""
+def create_app(config: RouterConfig, resolver: Resolver | None = None) -> web.Application:
+    """The router app; workers from the config are registered now and checked at startup,
+    discovered ones as they are found (`resolver`: DNS for dns:// targets, tests inject one)."""
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[error_middleware, _auth_middleware(config),
@@ -119,10 +135,11 @@ def create_app(config: RouterConfig) -> web.Application:
     metrics = RouterMetrics()
     app[CONFIG_KEY] = config
     app[LIFECYCLE_KEY] = Lifecycle()
+    app[DISCOVERY_KEY] = Discovery(config.discovery, resolver)
     app[STATE_KEY] = RouterState(config=config, registry=registry,
                                  pairing=Pairing(registry, config),
                                  admission=Admission(config.admission), metrics=metrics)
     app.add_routes([*api.routes(), *admin.routes(),
                     web.get("/metrics", make_aiohttp_handler(metrics.registry))])
-    app.cleanup_ctx.extend([sessions_context, health_context])
+    app.cleanup_ctx.extend([sessions_context, health_context, discovery_context])
     return app

@@ -8,9 +8,11 @@ the environment: the config is passed down.
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from urllib.parse import urlsplit
 
 
 class Policy(StrEnum):
@@ -77,6 +79,97 @@ class AdmissionConfig:
             raise ValueError("admission needs max_inflight >= 1, max_queue >= 0, timeout > 0")
 
 
+class DiscoveryScheme(StrEnum):
+    """How a `--discover` target finds workers (also the `source` /workers shows for them)."""
+
+    DNS = "dns"  # re-resolve a name every interval: one worker per address
+    K8S = "k8s"  # watch a Service's EndpointSlices
+
+
+# A Kubernetes name (RFC 1123 label): what namespaces and Services are called.
+_K8S_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+@dataclass(frozen=True)
+class DiscoveryTarget:
+    """One `--discover` URL: `dns://NAME:PORT` or `k8s://NAMESPACE/SERVICE[:PORT]`.
+
+    DNS: `host` is the name to resolve and `port` the workers' HTTP port. Kubernetes:
+    `namespace`/`service` select the EndpointSlices (label kubernetes.io/service-name), and the
+    port is a number (`port`), a named endpoint port (`port_name`), or neither (the slice's only
+    port). `uri` is the URL as written, normalised: how /workers names what found a worker.
+    """
+
+    scheme: DiscoveryScheme
+    uri: str
+    host: str = ""
+    port: int | None = None
+    namespace: str = ""
+    service: str = ""
+    port_name: str | None = None
+
+    @staticmethod
+    def parse(uri: str) -> DiscoveryTarget:
+        """Raises ValueError naming the expected form."""
+        scheme, _, rest = uri.partition("://")
+        if scheme == DiscoveryScheme.DNS:
+            return DiscoveryTarget._dns(uri, rest)
+        if scheme == DiscoveryScheme.K8S:
+            return DiscoveryTarget._k8s(uri, rest)
+        raise ValueError(f"--discover {uri!r}: expected dns://NAME:PORT or "
+                         "k8s://NAMESPACE/SERVICE[:PORT]")
+
+    @staticmethod
+    def _dns(uri: str, rest: str) -> DiscoveryTarget:
+        form = f"--discover {uri!r}: expected dns://NAME:PORT (e.g. dns://decode:8200)"
+        try:
+            parts = urlsplit("//" + rest)
+            port = parts.port
+        except ValueError:
+            raise ValueError(form) from None
+        if not parts.hostname or port is None or parts.path or parts.query or parts.username:
+            raise ValueError(form)
+        return DiscoveryTarget(DiscoveryScheme.DNS, f"dns://{rest}", host=parts.hostname,
+                               port=port)
+
+    @staticmethod
+    def _k8s(uri: str, rest: str) -> DiscoveryTarget:
+        form = (f"--discover {uri!r}: expected k8s://NAMESPACE/SERVICE[:PORT_NAME_OR_NUMBER] "
+                "(e.g. k8s://default/decode:http)")
+        namespace, slash, service = rest.partition("/")
+        service, _, port_part = service.partition(":")
+        if not slash or not _K8S_NAME.fullmatch(namespace) or not _K8S_NAME.fullmatch(service):
+            raise ValueError(form)
+        port, port_name = None, None
+        if port_part.isdigit():
+            port = int(port_part)
+            if not 0 < port < 65536:
+                raise ValueError(form)
+        elif port_part:
+            if not _K8S_NAME.fullmatch(port_part):
+                raise ValueError(form)
+            port_name = port_part
+        return DiscoveryTarget(DiscoveryScheme.K8S, f"k8s://{rest}", namespace=namespace,
+                               service=service, port=port, port_name=port_name)
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """`--discover` targets, the DNS re-resolve interval, and where the Kubernetes client
+    finds its credentials (`kubeconfig`: a file; None: the in-cluster service account)."""
+
+    targets: tuple[DiscoveryTarget, ...] = ()
+    interval_s: float = 5.0
+    kubeconfig: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0:
+            raise ValueError("--discover-interval must be > 0")
+        uris = [t.uri for t in self.targets]
+        if len(set(uris)) != len(uris):
+            raise ValueError(f"--discover lists a target twice: {uris}")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """Everything the router app needs; built once in `from_args` (or directly in tests)."""
@@ -107,6 +200,7 @@ class RouterConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
 
     def __post_init__(self) -> None:
         for url in (*self.prefill_urls, *self.decode_urls, *self.mixed_urls):
@@ -138,6 +232,10 @@ class RouterConfig:
             retry=RetryConfig(max_attempts=args.max_attempts, budget_s=args.retry_budget),
             admission=AdmissionConfig(max_inflight=args.max_inflight, max_queue=args.max_queue,
                                       timeout_s=args.queue_timeout),
+            discovery=DiscoveryConfig(
+                targets=tuple(DiscoveryTarget.parse(u) for u in args.discover or ()),
+                interval_s=args.discover_interval,
+                kubeconfig=args.kubeconfig or environ.get("KUBECONFIG") or None),
         )
 
 
@@ -155,6 +253,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", action="append", metavar="URL", help="prefill worker URL")
     parser.add_argument("--decode", action="append", metavar="URL", help="decode worker URL")
     parser.add_argument("--worker", action="append", metavar="URL", help="mixed worker URL")
+    parser.add_argument("--discover", action="append", metavar="URL",
+                        help="find workers: dns://NAME:PORT (one worker per address, "
+                        "re-resolved every --discover-interval) or "
+                        "k8s://NAMESPACE/SERVICE[:PORT] (watch its EndpointSlices); repeatable")
+    parser.add_argument("--discover-interval", type=float, default=d.discovery.interval_s,
+                        help="seconds between DNS re-resolutions")
+    parser.add_argument("--kubeconfig", default=None,
+                        help="kubeconfig for k8s:// discovery (or KUBECONFIG; default: the "
+                        "in-cluster service account)")
     parser.add_argument("--host", default=d.host)
     parser.add_argument("--port", type=int, default=d.port)
     parser.add_argument("--model", default=None, help="served model id (default: the workers')")

@@ -23,7 +23,7 @@ from services.router.metrics import RouterMetrics
 from services.router.policies import PrefixIndex
 from services.router.registry import WorkerRegistry
 from services.router.upstream import Upstream, UpstreamFailure
-from services.router.workers import MetadataError, Worker, WorkerMetadata
+from services.router.workers import MetadataError, Worker, WorkerMetadata, WorkerSource
 from shared.protocol.pd import Role
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class Jobs:
             if problem is not None:
                 job.state, job.error = JobState.FAILED, problem
                 return
-            worker = self._registry.add(job.url, job.role or md.role)
+            worker = self._registry.add(job.url, job.role or md.role, WorkerSource.ADMIN)
             worker.mark_healthy(md)
             job.state, job.worker_id = JobState.SUCCEEDED, worker.id
             self._metrics.observe_registry(self._registry)

@@ -155,7 +155,8 @@ class Orchestrator:
                              req.request_id, role, route.target.id, whole)
             req.phases.decision = route.decision.value
             try:
-                return await self._attempt(route, req, out)
+                with route.hold():  # no await since plan(): a drain cannot slip in between
+                    return await self._attempt(route, req, out)
             except UpstreamFailure as failure:
                 last = failure
                 self._metrics.upstream_failures.labels(failure.leg, str(failure.status)).inc()

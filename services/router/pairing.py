@@ -11,7 +11,8 @@ others remain.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -49,6 +50,20 @@ class Route:
     @property
     def push(self) -> bool:
         return self.group.transfer_mode == "push"
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """Count the attempt on its workers (`Worker.attempts`) from planning to its end, so a
+        draining worker leaves the registry only once no attempt that chose it is left (a pull
+        decode is chosen before its prefill leg runs)."""
+        workers = [w for w in (self.target, self.prefill) if w is not None]
+        for worker in workers:
+            worker.attempts += 1
+        try:
+            yield
+        finally:
+            for worker in workers:
+                worker.attempts -= 1
 
 
 def _group_load(workers: Sequence[Worker]) -> float:

@@ -14,7 +14,7 @@ from typing import Any
 
 from services.router.breaker import CircuitBreaker
 from services.router.config import BreakerConfig
-from services.router.workers import Worker
+from services.router.workers import Worker, WorkerSource
 from shared.protocol.pd import Role
 
 
@@ -53,7 +53,8 @@ class Group:
         missing = [name for name, usable, members in (
             ("prefill", self.usable_prefill, self.prefill), ("decode", self.usable_decode, self.decode),
             ("mixed", self.usable_mixed, self.mixed)) if members and not usable]
-        return f"{tag}: no healthy {' or '.join(missing)} worker (unhealthy or circuit open)"
+        return (f"{tag}: no healthy {' or '.join(missing)} worker "
+                "(unhealthy, draining or circuit open)")
 
     def describe(self) -> dict[str, Any]:
         return {"compat_hash": self.compat_hash, "transfer_mode": self.transfer_mode,
@@ -84,7 +85,8 @@ class WorkerRegistry:
                 return w.metadata.model
         return None
 
-    def add(self, url: str, role: Role | None) -> Worker:
+    def add(self, url: str, role: Role | None, source: WorkerSource = WorkerSource.STATIC,
+            discovered_by: str | None = None) -> Worker:
         url = url.rstrip("/")
         if self.find(url) is not None:
             raise ValueError(f"worker {url} is already registered")
@@ -92,7 +94,7 @@ class WorkerRegistry:
         n = self._counters.get(prefix, 0)
         self._counters[prefix] = n + 1
         worker = Worker(id=f"{prefix}-{n}", url=url, breaker=CircuitBreaker(self._breaker_cfg),
-                        declared_role=role)
+                        declared_role=role, source=source, discovered_by=discovered_by)
         self._workers[worker.id] = worker
         return worker
 

@@ -26,6 +26,23 @@ class Health(StrEnum):
     UNHEALTHY = "unhealthy"
 
 
+class WorkerSource(StrEnum):
+    """How a worker came to be registered; only its source may remove a discovered one."""
+
+    STATIC = "static"  # --prefill / --decode / --worker
+    ADMIN = "admin"  # POST /workers
+    DNS = "dns"  # --discover dns://...
+    K8S = "k8s"  # --discover k8s://...
+
+
+class Membership(StrEnum):
+    """Whether new requests may go to the worker. DRAINING (its address left discovery): none
+    are routed to it; it leaves the registry once no attempt holds it."""
+
+    ACTIVE = "active"
+    DRAINING = "draining"
+
+
 class MetadataError(ValueError):
     """A worker's /v1/metadata document lacks a field the router cannot work without."""
 
@@ -134,7 +151,9 @@ class Worker:
 
     `declared_role` comes from the flag or the POST /workers body (None: trust the metadata);
     `inflight` counts requests this router has on the worker right now, which moves between two
-    health checks while the worker's own load figures do not.
+    health checks while the worker's own load figures do not; `attempts` counts request attempts
+    whose route names the worker, from planning to their end (a pull decode is held while its
+    prefill leg runs), which is what a drain waits for.
     """
 
     id: str
@@ -146,6 +165,10 @@ class Worker:
     reason: str | None = None  # why it is unhealthy
     last_seen: float | None = None  # wall clock of the last good metadata
     inflight: int = 0
+    attempts: int = 0
+    source: WorkerSource = WorkerSource.STATIC
+    discovered_by: str | None = None  # the --discover URI that found it
+    membership: Membership = Membership.ACTIVE
 
     @property
     def role(self) -> Role | None:
@@ -156,8 +179,14 @@ class Worker:
         return self.metadata.compat_hash if self.metadata else None
 
     def usable(self) -> bool:
-        """Healthy and its breaker lets traffic through."""
-        return self.health is Health.HEALTHY and self.breaker.available()
+        """Healthy, not draining, and its breaker lets traffic through."""
+        return (self.health is Health.HEALTHY and self.membership is Membership.ACTIVE
+                and self.breaker.available())
+
+    @property
+    def idle(self) -> bool:
+        """No request attempt of this router holds it (a draining worker may leave)."""
+        return self.attempts == 0 and self.inflight == 0
 
     def mark_healthy(self, metadata: WorkerMetadata) -> None:
         self.metadata = metadata
@@ -186,5 +215,7 @@ class Worker:
             "load": {"running": md.running if md else 0, "waiting": md.waiting if md else 0,
                      "kv_usage": md.kv_usage if md else 0.0, "router_inflight": self.inflight},
             "last_seen": self.last_seen,
+            "source": self.source.value, "discovered_by": self.discovered_by,
+            "membership": self.membership.value,
         }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 
 import pytest
 
@@ -41,3 +42,13 @@ async def test_signed_pull_end_to_end(nodes) -> None:
     params = await p.service.pull.prefill.offer("r", ids, 20, FIRST)
     kv = await d.service.pull.decode.fetch(params)
     assert kv.num_tokens == 20 and len(kv.block_ids) == len(ids)
+
+
+def test_a_wildcard_bind_advertises_this_machines_own_address() -> None:
+    """Replicas of a scaled service share its name; each must hand out its own address."""
+    own = socket.gethostbyname(socket.gethostname())
+    assert KVTransferConfig.from_args(parse("--kv-host", "0.0.0.0"), "prefill", {}
+                                      ).public_host == own
+    assert KVTransferConfig.from_args(parse(), "prefill", {}).public_host == "127.0.0.1"
+    explicit = parse("--kv-host", "0.0.0.0", "--kv-advertise-host", "prefill-0.prefill")
+    assert KVTransferConfig.from_args(explicit, "prefill", {}).public_host == "prefill-0.prefill"

@@ -1,4 +1,5 @@
-"""compose.yaml: valid for docker compose v2 (no engine needed), and consistent with the CLI."""
+"""compose.yaml: valid for docker compose v2 (no engine needed), also scaled
+(`--scale prefill=2 --scale decode=3`), and consistent with the CLI."""
 
 from __future__ import annotations
 
@@ -27,8 +28,13 @@ ALL_PROFILES = ("pp", "bench", "observability")
 
 
 def _compose(*args: str, file: Path = COMPOSE_FILE) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BINARY), "-f", str(file), *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"})
+    return _compose_files(file, args=args)
+
+
+def _compose_files(*files: Path, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    cmd = [str(BINARY)] + [a for f in files for a in ("-f", str(f))] + list(args)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"})
 
 
 @pytest.fixture(scope="module")
@@ -147,16 +153,68 @@ def test_ports_and_health_urls_agree_with_the_commands(resolved):
             assert args.host == "0.0.0.0", name
             ports[name] = args.port
     router, _ = _parse(parser, services["router"]["command"])
-    for url in [*router.prefill, *router.decode]:
-        host, port = urlparse(url).hostname, urlparse(url).port
-        assert ports[host] == port, url
+    assert not (router.prefill or router.decode or router.worker), "workers come from DNS"
+    found = {urlparse(u).hostname: urlparse(u).port for u in router.discover}
+    assert all(u.startswith("dns://") for u in router.discover)
+    assert found == {n: ports[n] for n in ("prefill", "prefill-pp", "decode")}
     roles = {n: _parse(parser, services[n]["command"])[0].role for n in ("prefill", "decode")}
-    assert {urlparse(u).hostname for u in router.prefill} == {"prefill", "prefill-pp"}
     assert roles == {"prefill": "prefill", "decode": "decode"}
     published = services["router"]["ports"][0]
     assert int(published["target"]) == router.port
     bench, _ = _parse(parser, services["loadgen"]["command"])
     assert urlparse(bench.base_url).port == router.port
     prom = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
-    targets = {t for job in prom["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
-    assert targets == {f"{name}:{port}" for name, port in ports.items()}
+    static = {t for job in prom["scrape_configs"] for c in job.get("static_configs", [])
+              for t in c["targets"]}
+    by_dns = {f"{n}:{c['port']}" for job in prom["scrape_configs"]
+              for c in job.get("dns_sd_configs", []) for n in c["names"]}
+    assert static == {f"router:{ports['router']}"}  # workers: every replica, found by DNS
+    assert by_dns == {f"{name}:{port}" for name, port in ports.items() if name != "router"}
+
+
+SCALED = {"prefill": 2, "decode": 3, "prefill-pp": 2}
+WORKERS = tuple(SCALED)
+
+
+def _scale_override(tmp_path: Path, extra: str = "") -> Path:
+    """What `docker compose up --scale prefill=2 --scale decode=3` sets: each service's
+    `scale`. `config` has no --scale flag (only `up` does, and it needs an engine), so the
+    replicas go in an override file that `config` validates and renders."""
+    path = tmp_path / "scale.yaml"
+    path.write_text("services:\n" + "".join(f"  {name}:\n    scale: {n}\n{extra}"
+                                             for name, n in SCALED.items()))
+    return path
+
+
+def test_compose_is_valid_scaled(tmp_path):
+    """`--scale prefill=2 --scale decode=3` (and prefill-pp=2 under its profile) renders, and
+    nothing in the file pins one replica: no container_name (compose itself refuses it with
+    scale > 1), no fixed host port on a worker (a second replica could not bind it), no KV
+    address that names the service (it resolves to every replica), the router finds workers
+    by DNS."""
+    override = _scale_override(tmp_path)
+    profiles = [a for p in ALL_PROFILES for a in ("--profile", p)]
+    proc = _compose_files(COMPOSE_FILE, override, args=(*profiles, "config", "--quiet"))
+    assert proc.returncode == 0, proc.stderr
+    proc = _compose_files(COMPOSE_FILE, override,
+                          args=(*profiles, "config", "--format", "json"))
+    assert proc.returncode == 0, proc.stderr
+    services = json.loads(proc.stdout)["services"]
+    parser = build_parser()
+    for name in WORKERS:
+        svc = services[name]
+        assert svc["scale"] == SCALED[name], name
+        assert "container_name" not in svc, name
+        assert all(not p.get("published") for p in svc.get("ports", [])), (name, svc["ports"])
+        args, _ = _parse(parser, svc["command"])
+        assert args.kv_host == "0.0.0.0" and args.kv_advertise_host is None, (
+            f"{name}: each replica must advertise its own address (the default with "
+            "--kv-host 0.0.0.0), not a shared name")
+    router, _ = _parse(parser, services["router"]["command"])
+    assert {urlparse(u).hostname for u in router.discover} == set(WORKERS)
+
+
+def test_the_scaled_validator_rejects_a_fixed_container_name(tmp_path):
+    override = _scale_override(tmp_path, extra="    container_name: pinned\n")
+    proc = _compose_files(COMPOSE_FILE, override, args=("config", "--quiet"))
+    assert proc.returncode != 0 and "container_name" in proc.stderr

@@ -36,3 +36,32 @@ def test_bad_values_are_refused():
         _config(["--prefill", "p:1"])
     with pytest.raises(ValueError):
         _config(["--max-attempts", "0"])
+
+
+def test_discover_targets_are_parsed_once_with_clear_errors():
+    cfg = _config(["--discover", "dns://decode:8200", "--discover", "k8s://prod/decode:http",
+                   "--discover", "k8s://prod/prefill:8100", "--discover", "k8s://prod/pp",
+                   "--discover-interval", "2.5", "--kubeconfig", "/k/config"])
+    dns, named, numbered, bare = cfg.discovery.targets
+    assert (dns.scheme, dns.host, dns.port, dns.uri) == ("dns", "decode", 8200,
+                                                         "dns://decode:8200")
+    assert (named.namespace, named.service, named.port_name, named.port) == (
+        "prod", "decode", "http", None)
+    assert (numbered.port_name, numbered.port) == (None, 8100)
+    assert (bare.service, bare.port_name, bare.port) == ("pp", None, None)
+    assert cfg.discovery.interval_s == 2.5 and cfg.discovery.kubeconfig == "/k/config"
+    assert _config([], {"KUBECONFIG": "/env/k"}).discovery.kubeconfig == "/env/k"
+    assert _config([]).discovery.targets == ()
+    for bad, expected in (("decode:8200", "expected dns://"), ("dns://decode", "dns://NAME:PORT"),
+                          ("dns://decode:http", "dns://NAME:PORT"),
+                          ("dns://decode:8200/x", "dns://NAME:PORT"),
+                          ("http://decode:8200", "expected dns://"),
+                          ("k8s://decode", "k8s://NAMESPACE/SERVICE"),
+                          ("k8s://Prod/decode", "k8s://NAMESPACE/SERVICE"),
+                          ("k8s://prod/decode:0", "k8s://NAMESPACE/SERVICE")):
+        with pytest.raises(ValueError, match=expected):
+            _config(["--discover", bad])
+    with pytest.raises(ValueError, match="twice"):
+        _config(["--discover", "dns://d:1", "--discover", "dns://d:1"])
+    with pytest.raises(ValueError, match="interval"):
+        _config(["--discover", "dns://d:1", "--discover-interval", "0"])

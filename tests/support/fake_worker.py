@@ -109,8 +109,8 @@ class FakeWorker:
             web.post("/v1/kv_transfer/abort", self._lease_abort)])
         return app
 
-    async def start(self) -> FakeWorker:
-        self.server = TestServer(self.app(), host="127.0.0.1")
+    async def start(self, host: str = "127.0.0.1", port: int | None = None) -> FakeWorker:
+        self.server = TestServer(self.app(), host=host, port=port)
         await self.server.start_server()
         return self
 

@@ -86,29 +86,31 @@ async def start_client(config: WorkerConfig, engine: EngineClient | None = None)
 
 
 class WorkerThread:
-    """One worker app on 127.0.0.1 in a daemon thread with its own event loop.
+    """One worker app on 127.0.0.1 (or `host`) in a daemon thread with its own event loop.
 
     `start()` returns once it listens; `start(ready_timeout=...)` also waits for /health 200.
     `call` runs a function on the server's loop (to inspect or poke the engine safely) and
     `freeze` blocks that loop for a while (a stalled peer).
     """
 
-    def __init__(self, config: WorkerConfig, engine_factory: EngineFactory | None = None) -> None:
+    def __init__(self, config: WorkerConfig, engine_factory: EngineFactory | None = None,
+                 host: str = "127.0.0.1", port: int = 0) -> None:
         self.config = config
         self.app = create_app(config, engine_factory)
         self.loop = asyncio.new_event_loop()
-        self.port = 0
+        self.host = host
+        self.port = port
         self._runner: web.AppRunner | None = None
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     async def _start(self) -> None:
         self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         self.port = self._runner.addresses[0][1]
 
