@@ -12,6 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from services.common import tls
+from services.common.tls import TLSFiles
+
 
 class Policy(StrEnum):
     """How one leg picks a worker among the candidates of a compatibility group."""
@@ -107,6 +110,9 @@ class RouterConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    # The listener's certificate (HTTPS when set) and the CA https:// workers are checked with.
+    tls: TLSFiles = field(default_factory=TLSFiles)
+    cors_allow_origins: tuple[str, ...] = ()  # browser origins allowed to call; "*": any
 
     def __post_init__(self) -> None:
         for url in (*self.prefill_urls, *self.decode_urls, *self.mixed_urls):
@@ -116,6 +122,10 @@ class RouterConfig:
             raise ValueError("disagg_min_tokens must be >= 0 and prefix_block_size >= 1")
         if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
             raise ValueError("health interval and timeout must be > 0")
+        for origin in self.cors_allow_origins:
+            if origin != "*" and not origin.startswith(("http://", "https://")):
+                raise ValueError(f"--cors-allow-origin takes '*' or scheme://host[:port], "
+                                 f"got {origin!r}")
 
     @staticmethod
     def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> RouterConfig:
@@ -138,6 +148,8 @@ class RouterConfig:
             retry=RetryConfig(max_attempts=args.max_attempts, budget_s=args.retry_budget),
             admission=AdmissionConfig(max_inflight=args.max_inflight, max_queue=args.max_queue,
                                       timeout_s=args.queue_timeout),
+            tls=tls.from_args(args),
+            cors_allow_origins=tuple(o.rstrip("/") for o in args.cors_allow_origin or ()),
         )
 
 
@@ -187,3 +199,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-inflight", type=int, default=d.admission.max_inflight)
     parser.add_argument("--max-queue", type=int, default=d.admission.max_queue)
     parser.add_argument("--queue-timeout", type=float, default=d.admission.timeout_s)
+    tls.add_arguments(parser.add_argument_group("TLS (the router's listener; --tls-ca: the "
+                                                "CA of https:// workers)"))
+    parser.add_argument("--cors-allow-origin", action="append", metavar="ORIGIN",
+                        help="browser origin allowed to call the API (repeatable; '*': any, "
+                             "without credentials)")
