@@ -131,3 +131,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-allow-incompatible", action="store_true",
                    help="pair with workers whose compat hash differs (logs a loud warning; "
                         "for debugging only)")
+    g.add_argument("--kv-require-client-cert", action="store_true",
+                   help="mTLS: KV peers must present a certificate that chains to --tls-ca "
+                        "(the KV listener serves TLS with the worker's --tls-cert/--tls-key)")
