@@ -26,6 +26,7 @@ import os
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 log = logging.getLogger("pdmesh.tls")
 
@@ -161,7 +162,13 @@ def exposure_warning(service: str, host: str, port: int, tls: bool,
     return message
 
 
-def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+class ArgumentTarget(Protocol):
+    """A parser or an argument group of one."""
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action: ...
+
+
+def add_arguments(parser: ArgumentTarget) -> None:
     """The TLS flags a router or worker declares (its config module calls this)."""
     parser.add_argument("--tls-cert", default=None, metavar="PEM",
                         help="serve HTTPS with this certificate chain (the worker's KV "
