@@ -409,7 +409,8 @@ class PeerClient:
             if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ServerDisconnectedError):
                 self.forget(address)  # the next attempt handshakes again
             tls_error = tls_failure(address, route, exc)
-            if tls_error is not None:
+            if tls_error is not None:  # a configuration problem: say so in this worker's log
+                log.warning("%s", tls_error)
                 raise BadGatewayError(tls_error, code="kv_peer_tls") from None
             raise BadGatewayError(f"KV peer {address} unreachable on {route}: "
                                   f"{type(exc).__name__}: {exc}",
@@ -436,7 +437,7 @@ def tls_failure(address: str, route: str, exc: BaseException) -> str | None:
                and isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
                and not isinstance(exc, aiohttp.ClientConnectorError))
     if refused:
-        return (f"KV peer {address} closed the TLS connection on {route} ({exc}): it requires "
+        return (f"KV peer {address} closed the TLS connection on {route} ({exc}): most likely it requires "
                 "a client certificate (--kv-require-client-cert) and this worker presented "
                 "none or one it does not trust; give this worker --tls-cert/--tls-key signed "
                 "by the peer's --tls-ca")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import ssl
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -145,7 +146,9 @@ async def test_pd_over_tls_on_every_hop_equals_mixed(tls_mesh: TLSMesh, mode: st
         await settle_to_zero(s, tls_mesh[prefill].url, tls_mesh[decode].url)
 
 
-async def test_mtls_kv_refuses_a_decode_without_client_cert(tls_mesh: TLSMesh) -> None:
+async def test_mtls_kv_refuses_a_decode_without_client_cert(
+        tls_mesh: TLSMesh, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="pdmesh.kv_transfer")
     async with https_session(tls_mesh) as s, \
             tls_router(tls_mesh, "mtls_prefill", "nocert_decode") as router:
         got = await post(s, router + COMPLETIONS, BODY)
@@ -153,6 +156,7 @@ async def test_mtls_kv_refuses_a_decode_without_client_cert(tls_mesh: TLSMesh) -
         error = got.error
         assert error is not None and error["code"] == "kv_peer_tls", error
         assert "TLS" in error["message"] and "--tls-cert" in error["message"]
+        assert any(r.getMessage() == error["message"] for r in caplog.records)  # decode's log
         # The prefill's lease was released (by the router) and the decode freed its slot.
         await settle_to_zero(s, tls_mesh["mtls_prefill"].url, tls_mesh["nocert_decode"].url)
 
