@@ -159,7 +159,8 @@ def plan(args: argparse.Namespace, cpu_count: int) -> tuple[list, str]:
             router += ["--worker" if role == "mixed" else f"--{role}",
                        f"{scheme(args)}://{args.host}:{port}"]
     router += args.router_arg
-    return [ChildSpec("router", tuple(router)), *workers], f"{scheme(args)}://{args.host}:{args.port}"
+    url = f"{scheme(args)}://{args.host}:{args.port}"
+    return [ChildSpec("router", tuple(router)), *workers], url
 
 
 def banner(url: str, model: str) -> str:

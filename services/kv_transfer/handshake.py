@@ -437,10 +437,10 @@ def tls_failure(address: str, route: str, exc: BaseException) -> str | None:
                and isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
                and not isinstance(exc, aiohttp.ClientConnectorError))
     if refused:
-        return (f"KV peer {address} closed the TLS connection on {route} ({exc}): most likely it requires "
-                "a client certificate (--kv-require-client-cert) and this worker presented "
-                "none or one it does not trust; give this worker --tls-cert/--tls-key signed "
-                "by the peer's --tls-ca")
+        return (f"KV peer {address} closed the TLS connection on {route} ({exc}): most "
+                "likely it requires a client certificate (--kv-require-client-cert) and this "
+                "worker presented none or one it does not trust; give this worker "
+                "--tls-cert/--tls-key signed by the peer's --tls-ca")
     return None
 
 
