@@ -20,14 +20,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from services.common.runner import run_service
+    from services.common.tls import exposure_warning
     from services.router.app import create_app
     from services.router.config import RouterConfig
 
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = RouterConfig.from_args(args, os.environ)
+        config = RouterConfig.from_args(args, os.environ)  # TLS files are loaded (checked) here
     except ValueError as exc:
         print(f"pdmesh router: {exc}", file=sys.stderr)
         return 2
-    return run_service(create_app(config), config.host, config.port, config.drain_grace_s)
+    exposure_warning("the router", config.host, config.port, config.tls.enabled)
+    return run_service(create_app(config), config.host, config.port, config.drain_grace_s,
+                       config.tls.server_context())

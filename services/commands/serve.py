@@ -20,13 +20,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from services.common.runner import run_service
+    from services.common.tls import exposure_warning
     from services.worker.app import create_app
     from services.worker.config import WorkerConfig
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = WorkerConfig.from_args(args, os.environ)
+        config = WorkerConfig.from_args(args, os.environ)  # TLS files are loaded (checked) here
     except ValueError as exc:
         print(f"pdmesh serve: {exc}", file=sys.stderr)
         return 2
-    return run_service(create_app(config), config.host, config.port, config.drain_grace_seconds)
+    exposure_warning("the worker's HTTP API", config.host, config.port, config.tls.enabled)
+    return run_service(create_app(config), config.host, config.port, config.drain_grace_seconds,
+                       config.tls.server_context())

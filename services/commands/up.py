@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the workers inherit, else auto)")
     # Passed to every worker: a decode parses the answers, and a prefill tells the router so.
     parsers_config.add_arguments(parser)
+    from services.common import tls  # light: ssl only
+
+    tls.add_arguments(parser.add_argument_group(
+        "TLS (passed to the router and every worker; the mesh's URLs become https://)"))
+    parser.add_argument("--kv-require-client-cert", action="store_true",
+                        help="every worker's KV listener requires client certificates (mTLS)")
 
 
 def _free_port(host: str, start: int, taken: set[int]) -> int:
@@ -82,7 +88,23 @@ def worker_flags(role: str, args: argparse.Namespace, port: int, kv_port: int,
         flags += ["--revision", args.revision]
     from services.worker.parsers_config import forwarded_flags
 
-    return flags + forwarded_flags(args)
+    if role != "mixed" and getattr(args, "kv_require_client_cert", False):
+        flags.append("--kv-require-client-cert")
+    return flags + forwarded_flags(args) + tls_flags(args)
+
+
+def tls_flags(args: argparse.Namespace) -> list[str]:
+    """The --tls-* flags given to `up`, for a child (the router or a worker)."""
+    flags: list[str] = []
+    for flag in ("--tls-cert", "--tls-key", "--tls-ca"):
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value:
+            flags += [flag, value]
+    return flags
+
+
+def scheme(args: argparse.Namespace) -> str:
+    return "https" if getattr(args, "tls_cert", None) else "http"
 
 
 def preflight(flags: list[str]) -> str | None:
@@ -127,16 +149,18 @@ def plan(args: argparse.Namespace, cpu_count: int) -> tuple[list, str]:
             roles = [("mixed", args.prefill + args.decode)]
     taken = {args.port}
     workers, router = [], [sys.executable, "-m", "services.cli", "router", "--host", args.host,
-                           "--port", str(args.port)]
+                           "--port", str(args.port), *tls_flags(args)]
     for role, count in roles:
         for i in range(count):
             port = _free_port(args.host, args.port + 1, taken)
             kv_port = _free_port(args.host, args.port + 101, taken)
             argv = [*serve, *worker_flags(role, args, port, kv_port, threads)]
             workers.append(ChildSpec(f"{role}-{i}", tuple(argv)))
-            router += ["--worker" if role == "mixed" else f"--{role}", f"http://{args.host}:{port}"]
+            router += ["--worker" if role == "mixed" else f"--{role}",
+                       f"{scheme(args)}://{args.host}:{port}"]
     router += args.router_arg
-    return [ChildSpec("router", tuple(router)), *workers], f"http://{args.host}:{args.port}"
+    url = f"{scheme(args)}://{args.host}:{args.port}"
+    return [ChildSpec("router", tuple(router)), *workers], url
 
 
 def banner(url: str, model: str) -> str:
@@ -160,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import os
 
+    from services.common import tls
     from services.router.supervisor import RestartPolicy
     from services.worker.parsers_config import ParsersConfig
     from shared.config import kernel_tier_from_env
@@ -168,14 +193,16 @@ def run(args: argparse.Namespace) -> int:
         kernel_tier_from_env(os.environ)  # the workers inherit it: refuse a bad one up front
         ParsersConfig.from_args(args, os.environ)  # likewise (and not a reason to go mixed)
         specs, url = plan(args, os.cpu_count() or 1)
+        ssl_context = tls.from_args(args).client_context() if args.tls_cert else None
         policy = RestartPolicy(initial_s=args.restart_delay, max_s=args.restart_max_delay)
     except (ValueError, RuntimeError) as exc:
         print(f"pdmesh up: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_up(specs, url, args, policy))
+    return asyncio.run(_up(specs, url, args, policy, ssl_context))
 
 
-async def _up(specs: list, url: str, args: argparse.Namespace, policy: Any) -> int:
+async def _up(specs: list, url: str, args: argparse.Namespace, policy: Any,
+              ssl_context: Any = None) -> int:
     import asyncio
     import signal
 
@@ -188,7 +215,8 @@ async def _up(specs: list, url: str, args: argparse.Namespace, policy: Any) -> i
         loop.add_signal_handler(sig, stop.set)
     await sup.start()
     try:
-        ready = asyncio.ensure_future(sup.wait_healthy(url + "/health", args.ready_timeout))
+        ready = asyncio.ensure_future(sup.wait_healthy(url + "/health", args.ready_timeout,
+                                                       ssl_context))
         await asyncio.wait({ready, asyncio.ensure_future(stop.wait())},
                            return_when=asyncio.FIRST_COMPLETED)
         if stop.is_set():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
 
 import uvloop
 from aiohttp import web
@@ -23,16 +24,18 @@ log = logging.getLogger(__name__)
 _SHUTDOWN_TIMEOUT_S = 0.5
 
 
-async def serve_until_signalled(app: web.Application, host: str, port: int, grace_seconds: float) -> int:
-    """Serve `app` until SIGTERM/SIGINT (exit 0 after draining) or a startup failure (exit 1)."""
+async def serve_until_signalled(app: web.Application, host: str, port: int, grace_seconds: float,
+                                ssl_context: ssl.SSLContext | None = None) -> int:
+    """Serve `app` until SIGTERM/SIGINT (exit 0 after draining) or a startup failure (exit 1);
+    HTTPS when `ssl_context` is given."""
     lifecycle = app[LIFECYCLE_KEY]
     runner = web.AppRunner(
         app, handle_signals=False, handler_cancellation=True, shutdown_timeout=_SHUTDOWN_TIMEOUT_S
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
-    log.info("listening on http://%s:%d", host, port)
+    log.info("listening on %s://%s:%d", "https" if ssl_context else "http", host, port)
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -57,5 +60,6 @@ async def serve_until_signalled(app: web.Application, host: str, port: int, grac
     return 1 if failed else 0
 
 
-def run_service(app: web.Application, host: str, port: int, grace_seconds: float) -> int:
-    return uvloop.run(serve_until_signalled(app, host, port, grace_seconds))
+def run_service(app: web.Application, host: str, port: int, grace_seconds: float,
+                ssl_context: ssl.SSLContext | None = None) -> int:
+    return uvloop.run(serve_until_signalled(app, host, port, grace_seconds, ssl_context))

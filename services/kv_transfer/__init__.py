@@ -15,4 +15,12 @@ One concept per module; "prefill"/"decode" in a name say which side of a transfe
   `push_prefill_stream`: one push transfer on the prefill, overlapping compute;
 - `config`: `KVTransferConfig` (+ `add_arguments`).
 Errors are services.common.errors. services/worker/kv_link.py builds the service.
+
+Transport security: with the worker's `--tls-cert/--tls-key` the listener serves TLS (the same
+files as the worker's API; `--kv-require-client-cert` adds mTLS against `--tls-ca`), and the
+endpoint says so wherever it is advertised (`kv_endpoint.tls`, `remote_tls`, `kv_tls`): a peer
+address is `host:port` (plain) or `https://host:port` (shared.protocol.messages.kv_address).
+`PeerClient` verifies TLS peers against `--tls-ca` with hostname checks, so a certificate must
+name the advertised host; a TLS failure is a 502 `kv_peer_tls` naming the fix. The contexts
+come from services/common/tls.py; the HMAC secret (`PDMESH_KV_SECRET`) is independent of TLS.
 """

@@ -23,6 +23,7 @@ from typing import TypeVar
 from aiohttp import web
 
 from services.common.errors import BadRequestError, error_middleware
+from services.common.tls import exposure_warning
 from services.kv_transfer.config import KVTransferConfig
 from services.kv_transfer.handshake import check_hash, hmac_middleware, negotiate
 from services.kv_transfer.service import KVTransferService
@@ -224,9 +225,12 @@ async def start_server(config: KVTransferConfig, service: KVTransferService) -> 
     """Bind, record the port in the service, start the app; `await runner.cleanup()` stops it."""
     sock = bind_socket(config.host, config.port)
     service.set_port(sock.getsockname()[1])
+    exposure_warning("the KV-transfer service", config.host, sock.getsockname()[1],
+                     config.tls.enabled, kv_secret=config.secret is not None)
     runner = web.AppRunner(create_app(config, service), handle_signals=False,
                            handler_cancellation=True, shutdown_timeout=2.0,
                            read_bufsize=config.max_chunk_bytes)  # push writes: one chunk
     await runner.setup()
-    await web.SockSite(runner, sock).start()
+    ssl_context = config.tls.server_context(config.require_client_cert)
+    await web.SockSite(runner, sock, ssl_context=ssl_context).start()
     return runner

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from services.common.tls import TLSFiles
 from shared.protocol.codec import MAX_CHUNK_BYTES
 from shared.protocol.messages import ROLES, TRANSFER_MODES
 
@@ -43,6 +44,11 @@ class KVTransferConfig:
     `layer_end` (None: all) and `pp_size` describe a pipeline stage for negotiation;
     `layer_partition` (None: the even split) gives each stage's layer count, as
     `--pp-layer-partition` does, so the ranges declared in the handshake are the engine's own.
+    `tls` are the worker's own files (services/common/tls.py): with a certificate the KV
+    listener serves TLS (advertised as `kv_endpoint.tls` and in kv_transfer_params, so peers
+    know to connect with TLS), and this service's peer client verifies TLS peers against
+    `tls.ca` and presents the certificate as its client certificate. `require_client_cert`
+    (mTLS) refuses peers whose certificate does not chain to `tls.ca`.
     """
 
     role: str = "prefill"
@@ -63,6 +69,8 @@ class KVTransferConfig:
     layer_end: int | None = None
     pp_size: int = 1
     layer_partition: tuple[int, ...] | None = None
+    tls: TLSFiles = field(default_factory=TLSFiles)
+    require_client_cert: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -80,6 +88,9 @@ class KVTransferConfig:
                              f"{len(self.layer_partition)} stages, pp_size is {self.pp_size}")
         if self.secret is not None and len(self.secret) < 16:
             raise ValueError(f"{KV_SECRET_ENV} must be at least 16 bytes")
+        if self.require_client_cert and (not self.tls.enabled or self.tls.ca is None):
+            raise ValueError("--kv-require-client-cert needs --tls-cert/--tls-key (the KV "
+                             "listener's TLS) and --tls-ca (the CA client certificates chain to)")
 
     @property
     def public_host(self) -> str:
@@ -104,8 +115,9 @@ class KVTransferConfig:
         return self.lease_seconds + self.push_deadline_seconds
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, role: str,
-                  environ: Mapping[str, str]) -> KVTransferConfig:
+    def from_args(cls, args: argparse.Namespace, role: str, environ: Mapping[str, str],
+                  tls: TLSFiles | None = None) -> KVTransferConfig:
+        """`tls`: the worker's files (the KV listener reuses its certificate)."""
         secret = environ.get(KV_SECRET_ENV, "")
         return cls(
             role=role, mode=args.transfer_mode, host=args.kv_host, port=args.kv_port,
@@ -115,7 +127,8 @@ class KVTransferConfig:
             lease_seconds=args.kv_lease_seconds,
             push_deadline_seconds=args.kv_push_deadline_seconds,
             secret=secret.encode() if secret else None,
-            allow_incompatible=args.kv_allow_incompatible,
+            allow_incompatible=args.kv_allow_incompatible, tls=tls or TLSFiles(),
+            require_client_cert=args.kv_require_client_cert,
         )
 
 
@@ -137,3 +150,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-allow-incompatible", action="store_true",
                    help="pair with workers whose compat hash differs (logs a loud warning; "
                         "for debugging only)")
+    g.add_argument("--kv-require-client-cert", action="store_true",
+                   help="mTLS: KV peers must present a certificate that chains to --tls-ca "
+                        "(the KV listener serves TLS with the worker's --tls-cert/--tls-key)")

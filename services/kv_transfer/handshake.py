@@ -53,6 +53,7 @@ from shared.protocol.messages import HandshakeAccepted, NodeInfo
 log = logging.getLogger("pdmesh.kv_transfer")
 R = TypeVar("R", bound=Message)
 MSGPACK = "application/msgpack"
+HANDSHAKE_ROUTE = "/kv/v1/handshake"
 
 
 @dataclass(frozen=True)
@@ -366,7 +367,7 @@ class PeerClient:
         self._peers.pop(address, None)
 
     async def _handshake(self, address: str) -> NodeInfo:
-        accepted = await self.call(address, "/kv/v1/handshake", self.identity.node,
+        accepted = await self.call(address, HANDSHAKE_ROUTE, self.identity.node,
                                    HandshakeAccepted)
         if accepted.compat_hash != self.identity.compat_hash:
             # The server compared first; this catches a server run with allow_incompatible.
@@ -399,7 +400,7 @@ class PeerClient:
         if trailing is not None:  # no join: the payload goes out as its own write
             data = _PartsPayload(parts)
         try:
-            async with self._http.post(f"http://{address}{route}", data=data,
+            async with self._http.post(peer_url(address, route), data=data,
                                        headers=headers) as resp:
                 if resp.status != 200:
                     raise peer_error(resp.status, await resp.read(), address)
@@ -407,9 +408,40 @@ class PeerClient:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ServerDisconnectedError):
                 self.forget(address)  # the next attempt handshakes again
+            tls_error = tls_failure(address, route, exc)
+            if tls_error is not None:  # a configuration problem: say so in this worker's log
+                log.warning("%s", tls_error)
+                raise BadGatewayError(tls_error, code="kv_peer_tls") from None
             raise BadGatewayError(f"KV peer {address} unreachable on {route}: "
                                   f"{type(exc).__name__}: {exc}",
                                   code="kv_peer_unreachable") from None
+
+
+def peer_url(address: str, route: str) -> str:
+    """`host:port` is a plain listener, `https://host:port` a TLS one (messages.kv_address)."""
+    return (address if "://" in address else f"http://{address}") + route
+
+
+def tls_failure(address: str, route: str, exc: BaseException) -> str | None:
+    """The message for a failed TLS handshake with a KV peer, or None (not a TLS failure).
+
+    Our check of the peer's certificate fails as a ClientSSLError. The peer's refusal of our
+    certificate (mTLS) is checked after the TLS 1.3 handshake, and the peer then just closes:
+    the first request on the connection, always the KV handshake (`connect`), sees a
+    disconnect or a reset where a plain peer would have answered.
+    """
+    if isinstance(exc, aiohttp.ClientSSLError):
+        return (f"KV peer {address}: TLS failed on {route}: {exc}. Its certificate must chain "
+                "to --tls-ca and name the address it is reached by")
+    refused = (address.startswith("https://") and route == HANDSHAKE_ROUTE
+               and isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
+               and not isinstance(exc, aiohttp.ClientConnectorError))
+    if refused:
+        return (f"KV peer {address} closed the TLS connection on {route} ({exc}): most "
+                "likely it requires a client certificate (--kv-require-client-cert) and this "
+                "worker presented none or one it does not trust; give this worker "
+                "--tls-cert/--tls-key signed by the peer's --tls-ca")
+    return None
 
 
 class _PartsPayload(aiohttp.Payload):

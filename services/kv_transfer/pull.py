@@ -108,6 +108,7 @@ class PullPrefill:
             block_ids=list(block_ids), num_tokens=num_tokens, block_size=geo.block_size,
             first_token=first_token, digests=digests, compat_hash=ctx.identity.compat_hash,
             lease_expiry=time.time() + (lease.expires - ctx.clock()), prompt_digest=prompt_digest,
+            remote_tls=ctx.config.tls.enabled,
         )
 
     def _end(self, request_id: str, state: LeaseState, lease_id: str | None = None) -> bool:

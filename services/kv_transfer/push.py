@@ -149,10 +149,9 @@ class PushPrefill:
         A decode that never comes, or already gave up itself, is the expected quiet end."""
         try:
             reg = await self.registrations.take(transfer_id, self.ctx.config.push_deadline_seconds)
-            await self.ctx.peers.connect(f"{reg.kv_host}:{reg.kv_port}", reg.engine_id)
+            await self.ctx.peers.connect(reg.address, reg.engine_id)
             msg = PushAbort(self.ctx.identity.node.engine_id, reg.transfer_id, reason[:500])
-            await self.ctx.peers.call(f"{reg.kv_host}:{reg.kv_port}", "/kv/v1/push/abort",
-                                      msg, Ack)
+            await self.ctx.peers.call(reg.address, "/kv/v1/push/abort", msg, Ack)
         except ApiError as exc:
             log.debug("declined push %s ended: %s", transfer_id, exc.message)
 
@@ -338,7 +337,7 @@ class PushDecode:
         ctx = self.ctx
         node = ctx.identity.node
         reg = PushRegister(node.engine_id, transfer_id, slot.block_ids, num_tokens,
-                           node.kv_host, node.kv_port)
+                           node.kv_host, node.kv_port, ctx.config.tls.enabled)
         await ctx.peers.call(address, "/kv/v1/push/register", reg, Ack)
         done = await self._wait_done(transfer_id, slot)
         if done.num_tokens != num_tokens:

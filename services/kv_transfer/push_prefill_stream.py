@@ -202,7 +202,7 @@ class PushStream:
                                 f"{reg.engine_id}, not {self.decode_engine_id}",
                                 code="kv_push_wrong_sender")
         self.registration = reg  # from here on, a failure is reported to the decode
-        address = f"{reg.kv_host}:{reg.kv_port}"
+        address = reg.address
         await self.ctx.peers.connect(address, reg.engine_id)
         if reg.num_tokens != self.num_tokens or len(reg.block_ids) != self.num_blocks:
             raise ConflictError(
@@ -250,5 +250,5 @@ class PushStream:
 
     async def _notify_abort(self, reg: PushRegister, reason: str) -> None:
         msg = PushAbort(self.ctx.identity.node.engine_id, reg.transfer_id, reason[:500])
-        await self.ctx.peers.call(f"{reg.kv_host}:{reg.kv_port}", "/kv/v1/push/abort", msg, Ack)
+        await self.ctx.peers.call(reg.address, "/kv/v1/push/abort", msg, Ack)
 

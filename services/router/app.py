@@ -21,6 +21,7 @@ from services.common.middleware import ApiKeyAuth, api_prefix_predicate, install
 from services.router import admin, api
 from services.router.admission import Admission
 from services.router.config import RouterConfig
+from services.router.cors import install_cors
 from services.router.discovery import DISCOVERY_KEY, DiscoveredWorkers, Discovery, Resolver
 from services.router.health import HealthChecker, Jobs
 from services.router.leases import LeaseReleaser
@@ -44,7 +45,9 @@ def _session(config: RouterConfig, *, total: float | None) -> aiohttp.ClientSess
     # or a slow connect fails the leg. limit=0: the admission queue bounds concurrency.
     timeout = aiohttp.ClientTimeout(total=total, connect=config.connect_timeout_s,
                                     sock_read=None if total else config.request_timeout_s)
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
+    # https:// workers are verified against --tls-ca (hostname checks on); http:// ignore it.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0,
+                                     ssl=config.tls.client_context())
     return aiohttp.ClientSession(timeout=timeout, connector=connector)
 
 
@@ -127,6 +130,7 @@ def create_app(config: RouterConfig, resolver: Resolver | None = None) -> web.Ap
                      readiness_middleware(api_prefix_predicate(API_PATHS))],
     )
     install_request_id(app)
+    install_cors(app, config.cors_allow_origins)
     registry = WorkerRegistry(config.breaker, config.model)
     for urls, role in ((config.prefill_urls, Role.PREFILL), (config.decode_urls, Role.DECODE),
                        (config.mixed_urls, Role.MIXED)):

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from urllib.parse import urlsplit
 
+from services.common import tls
+from services.common.tls import TLSFiles
+
 
 class Policy(StrEnum):
     """How one leg picks a worker among the candidates of a compatibility group."""
@@ -201,6 +204,9 @@ class RouterConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    # The listener's certificate (HTTPS when set) and the CA https:// workers are checked with.
+    tls: TLSFiles = field(default_factory=TLSFiles)
+    cors_allow_origins: tuple[str, ...] = ()  # browser origins allowed to call; "*": any
 
     def __post_init__(self) -> None:
         for url in (*self.prefill_urls, *self.decode_urls, *self.mixed_urls):
@@ -210,6 +216,10 @@ class RouterConfig:
             raise ValueError("disagg_min_tokens must be >= 0 and prefix_block_size >= 1")
         if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
             raise ValueError("health interval and timeout must be > 0")
+        for origin in self.cors_allow_origins:
+            if origin != "*" and not origin.startswith(("http://", "https://")):
+                raise ValueError(f"--cors-allow-origin takes '*' or scheme://host[:port], "
+                                 f"got {origin!r}")
 
     @staticmethod
     def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> RouterConfig:
@@ -236,6 +246,8 @@ class RouterConfig:
                 targets=tuple(DiscoveryTarget.parse(u) for u in args.discover or ()),
                 interval_s=args.discover_interval,
                 kubeconfig=args.kubeconfig or environ.get("KUBECONFIG") or None),
+            tls=tls.from_args(args),
+            cors_allow_origins=tuple(o.rstrip("/") for o in args.cors_allow_origin or ()),
         )
 
 
@@ -294,3 +306,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-inflight", type=int, default=d.admission.max_inflight)
     parser.add_argument("--max-queue", type=int, default=d.admission.max_queue)
     parser.add_argument("--queue-timeout", type=float, default=d.admission.timeout_s)
+    tls.add_arguments(parser.add_argument_group("TLS (the router's listener; --tls-ca: the "
+                                                "CA of https:// workers)"))
+    parser.add_argument("--cors-allow-origin", action="append", metavar="ORIGIN",
+                        help="browser origin allowed to call the API (repeatable; '*': any, "
+                             "without credentials)")

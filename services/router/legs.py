@@ -58,7 +58,8 @@ def push_params(transfer_id: str, prefill: WorkerMetadata) -> tuple[dict[str, An
     # WorkerMetadata.from_doc refuses a push prefill that reports no KV endpoint.
     assert prefill.kv_host is not None and prefill.kv_port is not None
     to_prefill = PrefillLegParams(TransferMode.PUSH, transfer_id)
-    to_decode = PushDecodeParams(transfer_id, prefill.kv_host, prefill.kv_port, prefill.engine_id)
+    to_decode = PushDecodeParams(transfer_id, prefill.kv_host, prefill.kv_port, prefill.engine_id,
+                                 prefill.kv_tls)
     return to_prefill.to_wire(), to_decode.to_wire()
 
 

@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import ssl
 import sys
 import time
 from collections import deque
@@ -118,10 +119,14 @@ class Supervisor:
         """The first child that has exited, if any."""
         return next((c for c in self.children if c.proc.returncode is not None), None)
 
-    async def wait_healthy(self, url: str, timeout_s: float) -> bool:
-        """Poll `url` until it answers 200; False on timeout or if a child exits first."""
+    async def wait_healthy(self, url: str, timeout_s: float,
+                           ssl_context: ssl.SSLContext | None = None) -> bool:
+        """Poll `url` until it answers 200; False on timeout or if a child exits first
+        (an https `url` is verified with `ssl_context`)."""
         deadline = asyncio.get_running_loop().time() + timeout_s
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        connector = aiohttp.TCPConnector(ssl=ssl_context if ssl_context is not None else True)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2),
+                                         connector=connector) as session:
             while asyncio.get_running_loop().time() < deadline:
                 if self.exited() is not None:
                     return False

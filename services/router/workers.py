@@ -78,6 +78,7 @@ class WorkerMetadata:
     compat_factors: dict[str, Any] = field(default_factory=dict)
     kv_host: str | None = None
     kv_port: int | None = None
+    kv_tls: bool = False  # the KV listener serves TLS
     kv_capacity_blocks: int | None = None
     kv_usage: float = 0.0  # fraction 0..1
     running: int = 0
@@ -137,6 +138,7 @@ class WorkerMetadata:
                                      default={})),
             kv_host=host,
             kv_port=int(port) if port is not None else None,
+            kv_tls=_get(doc, "kv_endpoint.tls", default=False) is True,
             kv_capacity_blocks=capacity, kv_usage=float(usage or 0.0),
             running=int(_get(doc, "load.num_running", "load.running", default=0)),
             waiting=int(_get(doc, "load.num_waiting", "load.waiting", default=0)),
@@ -209,7 +211,8 @@ class Worker:
             "compat_factors": md.compat_factors if md else {},
             "transfer_mode": md.transfer_mode if md else None,
             "kernels": md.kernels if md else {},
-            "kv_endpoint": {"host": md.kv_host, "port": md.kv_port} if md else None,
+            "kv_endpoint": ({"host": md.kv_host, "port": md.kv_port, "tls": md.kv_tls}
+                            if md else None),
             "health": self.health.value, "reason": self.reason,
             "circuit_breaker": self.breaker.state.value,
             "load": {"running": md.running if md else 0, "waiting": md.waiting if md else 0,

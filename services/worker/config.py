@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kernels.tier import TIER_CHOICES
+from services.common import tls
+from services.common.tls import TLSFiles
 from services.common.units import parse_size
 from services.kv_transfer.config import KVTransferConfig
 from services.kv_transfer.config import add_arguments as add_kv_arguments
@@ -58,6 +60,7 @@ class WorkerConfig:
     or decode worker (None for mixed); its role always equals `role`, and its `pp_size` is
     the pipeline's (a PP prefill's KV service declares each stage's layers in the handshake).
     `parsers` are the tool-call and reasoning parsers its chat output is read with.
+    `tls`: HTTPS for the API when it has a certificate (the KV listener reuses the files).
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -76,6 +79,7 @@ class WorkerConfig:
     kv_load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.FAIL
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     parsers: ParsersConfig = field(default_factory=ParsersConfig)
+    tls: TLSFiles = field(default_factory=TLSFiles)
 
     def __post_init__(self) -> None:
         if self.pipeline.enabled and self.role is Role.DECODE:
@@ -155,7 +159,9 @@ class WorkerConfig:
             kernel_tier=kernel_tier,
         )
         role = Role(args.role)
-        kv = None if role is Role.MIXED else KVTransferConfig.from_args(args, role.value, environ)
+        tls_files = tls.from_args(args)
+        kv = (None if role is Role.MIXED
+              else KVTransferConfig.from_args(args, role.value, environ, tls_files))
         return cls(
             engine=engine,
             role=role,
@@ -171,6 +177,7 @@ class WorkerConfig:
             served_model_names=tuple(args.served_model_name or ()),
             pipeline=pipeline,
             parsers=ParsersConfig.from_args(args, environ),
+            tls=tls_files,
         )
 
 
@@ -199,6 +206,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=w.max_queue,
                         help="sequences allowed beyond --max-num-seqs before answering 429")
     parser.add_argument("--drain-grace-seconds", type=float, default=w.drain_grace_seconds)
+    tls.add_arguments(parser.add_argument_group("TLS (the API and KV listeners, KV clients)"))
     parser.add_argument("--engine-failure-drain-seconds", type=float,
                         default=w.engine_failure_drain_seconds,
                         help="after an engine failure: seconds to answer in-flight requests "

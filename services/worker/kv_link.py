@@ -82,7 +82,8 @@ class KVLink:
             "transfer_mode": node.transfer_mode,
             "kv_host": node.kv_host,
             "kv_port": node.kv_port,
-            "kv_endpoint": {"host": node.kv_host, "port": node.kv_port},
+            # `tls`: the KV listener serves TLS (a router tells push decodes to use https).
+            "kv_endpoint": {"host": node.kv_host, "port": node.kv_port, "tls": cfg.tls.enabled},
             "kv_transfer": {
                 "engine_id": node.engine_id,
                 "role": node.role,

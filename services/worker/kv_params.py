@@ -65,7 +65,8 @@ def _push_decode_leg(f: Fields, transfer_id: str) -> PushDecodeParams:
     if not host or port is None:
         raise invalid(f.param("remote_host"), "a push decode leg needs the prefill's remote_host "
                                               "and remote_port")
-    return PushDecodeParams(transfer_id, host, port, f.string("remote_engine_id", None))
+    return PushDecodeParams(transfer_id, host, port, f.string("remote_engine_id", None),
+                            f.boolean("remote_tls", False))
 
 
 def parse_kv_transfer_params(value: Any) -> Leg | None:

@@ -33,7 +33,7 @@ import msgpack
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-KV_PROTOCOL_VERSION = 3
+KV_PROTOCOL_VERSION = 4
 # Changelog of KV_PROTOCOL_VERSION (bump on any wire or semantic change; it is a compat factor):
 #   1  first version: envelope (hash, version, factors, message); messages {"t","b"}; frames
 #      u32 + header + raw little-endian payload; KV chunks are boxes of the block-major view
@@ -49,6 +49,10 @@ KV_PROTOCOL_VERSION = 3
 #      WeightTransforms: the quantisation of the decoder and of the LM head), so a quantised
 #      and a dense worker of one checkpoint get different hashes. A version-2 peer hashes
 #      without it and is refused on the hash, naming the new factor and the version.
+#   4  push_register gained `kv_tls`: the decode's KV listener serves TLS, so the prefill
+#      writes to it over https. A version-3 peer would reject the field: it is refused on the
+#      hash instead. (kv_transfer_params gained the optional `remote_tls` likewise, written
+#      only when true, so a plain-HTTP mesh's JSON contract is unchanged.)
 
 MAX_CHUNK_BYTES = 4 * 1024 * 1024  # largest raw payload in one frame or push write
 MAX_HEADER_BYTES = 1024 * 1024

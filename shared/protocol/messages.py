@@ -24,6 +24,12 @@ ROLES = ("prefill", "decode")
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1, "int32": 4, "int64": 8}
 
 
+def kv_address(host: str, port: int, tls: bool = False) -> str:
+    """A KV peer's address as the peer client takes it: `host:port` for a plain listener,
+    `https://host:port` for a TLS one (what kv_transfer_params and push registrations say)."""
+    return f"{'https://' if tls else ''}{host}:{port}"
+
+
 @dataclass(frozen=True)
 class NodeInfo(Message, tag="node_info"):
     """One side of a pairing: the handshake request (decode in pull, both sides in push)
@@ -186,7 +192,8 @@ class HeartbeatResult(Message, tag="heartbeat_ok"):
 
 @dataclass(frozen=True)
 class PushRegister(Message, tag="push_register"):
-    """Decode -> prefill: these pre-allocated blocks await the prompt of `transfer_id`."""
+    """Decode -> prefill: these pre-allocated blocks await the prompt of `transfer_id`;
+    write them to the decode's KV listener at `address` (TLS when `kv_tls`, since version 4)."""
 
     engine_id: str
     transfer_id: str
@@ -194,6 +201,11 @@ class PushRegister(Message, tag="push_register"):
     num_tokens: int
     kv_host: str
     kv_port: int
+    kv_tls: bool = False
+
+    @property
+    def address(self) -> str:
+        return kv_address(self.kv_host, self.kv_port, self.kv_tls)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ Shapes of `kv_transfer_params` (vLLM's routing flags, pdmesh's fields):
   KV, passed on verbatim by the router; it carries `"do_remote_prefill": true`.
 - router -> decode, push (`PushDecodeParams`): `"transfer_id"`, the prefill's KV address
   `"remote_host"`/`"remote_port"` and `"remote_engine_id"`, `"do_remote_prefill": true`.
+- Both addresses (pull and push) carry `"remote_tls": true` when the prefill's KV listener
+  serves TLS (the field is left out otherwise, so plain-HTTP peers see the wire they know).
 - push prefill -> router (`PushPrefillResult`): what the push moved (for the client's report).
 
 Versioning: `PD_VERSION` is the contract's version. The dataclasses do not write it (the wire
@@ -27,7 +29,7 @@ from enum import StrEnum
 from typing import Any
 
 from shared.protocol.codec import Message, ProtocolError, from_fields, to_fields
-from shared.protocol.messages import TRANSFER_MODES, TokenLogprobWire
+from shared.protocol.messages import TRANSFER_MODES, TokenLogprobWire, kv_address
 
 PD_VERSION = 1
 VERSION_FIELD = "pd_version"
@@ -141,6 +143,7 @@ class KVTransferParams(Message, tag="kv_params"):
     digest of block `block_ids[i]` (see shared.protocol.tensors.block_digest).
     `prompt_digest` (`prompt_digest()` of the prompt's token ids; empty: not given) lets the
     decode check that the KV belongs to the prompt it was sent, not just to one as long.
+    `remote_tls`: the prefill's KV listener serves TLS (the decode pulls over https).
     """
 
     transfer_mode: str
@@ -157,6 +160,7 @@ class KVTransferParams(Message, tag="kv_params"):
     digests: list[str]
     compat_hash: str
     prompt_digest: str = ""
+    remote_tls: bool = False
 
     def __post_init__(self) -> None:
         if self.transfer_mode not in TRANSFER_MODES:
@@ -171,11 +175,12 @@ class KVTransferParams(Message, tag="kv_params"):
 
     @property
     def remote_address(self) -> str:
-        return f"{self.remote_host}:{self.remote_port}"
+        return kv_address(self.remote_host, self.remote_port, self.remote_tls)
 
     def to_wire(self) -> dict[str, Any]:
         """The object a pull prefill returns, with vLLM's routing flags for the router."""
-        return {**to_fields(self), "do_remote_prefill": True, "do_remote_decode": False}
+        return {**_without_plain(to_fields(self)), "do_remote_prefill": True,
+                "do_remote_decode": False}
 
     @staticmethod
     def from_wire(data: object) -> KVTransferParams:
@@ -185,15 +190,24 @@ class KVTransferParams(Message, tag="kv_params"):
 _PULL_FIELDS = frozenset(f.name for f in dataclasses.fields(KVTransferParams))
 
 
+def _without_plain(fields: dict[str, Any]) -> dict[str, Any]:
+    """`remote_tls` only when true: a plain-HTTP peer's wire stays what it was."""
+    if not fields.get("remote_tls"):
+        fields.pop("remote_tls", None)
+    return fields
+
+
 @dataclass(frozen=True)
 class PushDecodeParams:
     """Router -> decode, push: continue a request whose prompt KV the prefill at
-    `remote_host:remote_port` (engine `remote_engine_id`) will push under `transfer_id`."""
+    `remote_host:remote_port` (engine `remote_engine_id`; TLS when `remote_tls`) will push
+    under `transfer_id`."""
 
     transfer_id: str
     remote_host: str
     remote_port: int
     remote_engine_id: str | None = None
+    remote_tls: bool = False
 
     @property
     def mode(self) -> TransferMode:
@@ -201,18 +215,19 @@ class PushDecodeParams:
 
     @property
     def prefill_address(self) -> str:
-        return f"{self.remote_host}:{self.remote_port}"
+        return kv_address(self.remote_host, self.remote_port, self.remote_tls)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"transfer_id": self.transfer_id, "transfer_mode": TransferMode.PUSH.value,
-                "do_remote_prefill": True, "do_remote_decode": False,
-                "remote_engine_id": self.remote_engine_id, "remote_host": self.remote_host,
-                "remote_port": self.remote_port}
+        return _without_plain({
+            "transfer_id": self.transfer_id, "transfer_mode": TransferMode.PUSH.value,
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": self.remote_engine_id, "remote_host": self.remote_host,
+            "remote_port": self.remote_port, "remote_tls": self.remote_tls})
 
     @staticmethod
     def from_wire(data: object) -> PushDecodeParams:
         f = _fields(data, frozenset({"transfer_id", "transfer_mode", "remote_host",
-                                     "remote_port", "remote_engine_id"}))
+                                     "remote_port", "remote_engine_id", "remote_tls"}))
         if f.pop("transfer_mode", "push") != "push":
             raise ProtocolError("a push decode leg has transfer_mode push")
         return from_fields(PushDecodeParams, f)

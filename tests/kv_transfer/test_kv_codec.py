@@ -28,6 +28,7 @@ from shared.protocol.messages import (
     LeaseRef,
     NodeInfo,
     PullRequest,
+    PushRegister,
     StreamEnd,
     TensorChunk,
     TokenLogprobWire,
@@ -61,6 +62,16 @@ def test_messages_round_trip_including_nested() -> None:
                 PullRequest("e", "r", "l", [1, 2, 3]), StreamEnd(2, 10)):
         assert decode(encode(msg), type(msg)) == msg
         assert decode_any(encode(msg)) == msg
+
+
+def test_push_register_carries_the_decode_listener_scheme() -> None:
+    """Version 4: a TLS decode's registration says so; the prefill then writes over https."""
+    plain = PushRegister("d", "t", [1, 2], 20, "10.0.0.3", 9001)
+    tls = PushRegister("d", "t", [1, 2], 20, "10.0.0.3", 9001, kv_tls=True)
+    assert KV_PROTOCOL_VERSION >= 4
+    for msg in (plain, tls):
+        assert decode(encode(msg), PushRegister) == msg
+    assert (plain.address, tls.address) == ("10.0.0.3:9001", "https://10.0.0.3:9001")
 
 
 def test_params_json_round_trip_and_validation() -> None:

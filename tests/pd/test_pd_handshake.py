@@ -69,7 +69,7 @@ async def test_metadata_publishes_hash_factors_mode_and_kv_address(mesh: Mesh) -
     assert (pre["transfer_mode"], push["transfer_mode"]) == ("pull", "push")
     assert pre["compat_factors"]["transfer_mode"] == "pull"
     assert pre["compat_factors"]["weights_fingerprint"] == pre["model"]["fingerprint"]
-    assert pre["kv_endpoint"] == {"host": pre["kv_host"], "port": pre["kv_port"]}
+    assert pre["kv_endpoint"] == {"host": pre["kv_host"], "port": pre["kv_port"], "tls": False}
     assert pre["kv_port"] > 0 and pre["kv_transfer"]["engine_id"] == pre["engine_id"]
     assert mixed["compat_hash"] is None and mixed["transfer_mode"] is None
 

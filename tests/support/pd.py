@@ -134,7 +134,8 @@ async def dispatch_push(session: aiohttp.ClientSession, prefill: str, decode: st
     tid = uuid.uuid4().hex
     to_p = PrefillLegParams(TransferMode.PUSH, tid).to_wire()
     to_d = PushDecodeParams(tid, prefill_meta["kv_host"], prefill_meta["kv_port"],
-                            prefill_meta["engine_id"]).to_wire()
+                            prefill_meta["engine_id"],
+                            prefill_meta["kv_endpoint"].get("tls", False)).to_wire()
     pre = asyncio.ensure_future(post(session, prefill + path, prefill_body(body, to_p)))
     try:
         answer = await post(session, decode + path, {**body, "kv_transfer_params": to_d})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -50,12 +51,14 @@ def factory_for(engine: EngineClient) -> EngineFactory:
 
 
 async def wait_ready(session: aiohttp.ClientSession, url: str, timeout: float = 120.0,
-                     alive: Callable[[], bool] = lambda: True) -> None:
-    """Until GET `url`/health is 200; TimeoutError past `timeout` or once `alive()` is False."""
+                     alive: Callable[[], bool] = lambda: True,
+                     ssl_context: ssl.SSLContext | None = None) -> None:
+    """Until GET `url`/health is 200; TimeoutError past `timeout` or once `alive()` is False.
+    An https `url` is verified with `ssl_context`."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            async with session.get(f"{url}/health") as resp:
+            async with session.get(f"{url}/health", ssl=ssl_context or True) as resp:
                 if resp.status == 200:
                     return
         except aiohttp.ClientConnectionError:
@@ -90,7 +93,8 @@ class WorkerThread:
 
     `start()` returns once it listens; `start(ready_timeout=...)` also waits for /health 200.
     `call` runs a function on the server's loop (to inspect or poke the engine safely) and
-    `freeze` blocks that loop for a while (a stalled peer).
+    `freeze` blocks that loop for a while (a stalled peer). A config with a TLS certificate
+    serves HTTPS, as `pdmesh serve` does; `client_ssl` then verifies it.
     """
 
     def __init__(self, config: WorkerConfig, engine_factory: EngineFactory | None = None,
@@ -105,18 +109,24 @@ class WorkerThread:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.config.tls.enabled else 'http'}://{self.host}:{self.port}"
+
+    @property
+    def client_ssl(self) -> ssl.SSLContext | None:
+        """A client context trusting this worker's CA (None: plain HTTP)."""
+        return self.config.tls.client_context() if self.config.tls.enabled else None
 
     async def _start(self) -> None:
         self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        site = web.TCPSite(self._runner, self.host, self.port,
+                           ssl_context=self.config.tls.server_context())
         await site.start()
         self.port = self._runner.addresses[0][1]
 
     async def _wait_ready(self, timeout: float) -> None:
         async with aiohttp.ClientSession() as session:
-            await wait_ready(session, self.url, timeout)
+            await wait_ready(session, self.url, timeout, ssl_context=self.client_ssl)
 
     def start(self, ready_timeout: float | None = None) -> WorkerThread:
         """Listening on return; with `ready_timeout`, also healthy (else call `wait_ready`)."""
@@ -153,7 +163,8 @@ def start_workers(configs: dict[str, WorkerConfig], timeout: float = 120.0
 
     async def ready() -> None:
         async with aiohttp.ClientSession() as session:
-            await asyncio.gather(*(wait_ready(session, w.url, timeout) for w in workers.values()))
+            await asyncio.gather(*(wait_ready(session, w.url, timeout, ssl_context=w.client_ssl)
+                                   for w in workers.values()))
 
     try:
         asyncio.run(ready())
