@@ -16,6 +16,7 @@ import uvloop
 from aiohttp import web
 
 from services.common.lifecycle import LIFECYCLE_KEY
+from services.common.limits import runner_options
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,8 @@ async def serve_until_signalled(app: web.Application, host: str, port: int, grac
     """Serve `app` until SIGTERM/SIGINT (exit 0 after draining) or a startup failure (exit 1)."""
     lifecycle = app[LIFECYCLE_KEY]
     runner = web.AppRunner(
-        app, handle_signals=False, handler_cancellation=True, shutdown_timeout=_SHUTDOWN_TIMEOUT_S
+        app, handle_signals=False, handler_cancellation=True, shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+        **runner_options(app),  # header timeout (keep-alive), lingering: services.common.limits
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port)

@@ -33,7 +33,7 @@ import msgpack
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-KV_PROTOCOL_VERSION = 3
+KV_PROTOCOL_VERSION = 4
 # Changelog of KV_PROTOCOL_VERSION (bump on any wire or semantic change; it is a compat factor):
 #   1  first version: envelope (hash, version, factors, message); messages {"t","b"}; frames
 #      u32 + header + raw little-endian payload; KV chunks are boxes of the block-major view
@@ -49,6 +49,11 @@ KV_PROTOCOL_VERSION = 3
 #      WeightTransforms: the quantisation of the decoder and of the LM head), so a quantised
 #      and a dense worker of one checkpoint get different hashes. A version-2 peer hashes
 #      without it and is refused on the hash, naming the new factor and the version.
+#   4  signed requests (with PDMESH_KV_SECRET) carry a nonce (`X-PDMesh-KV-Nonce`) inside the
+#      HMAC ("timestamp\nnonce\nMETHOD\npath\n" + body), accepted once within a 30 s + 5 s
+#      window; without a secret a KV service serves loopback peers only. A version-3 peer
+#      signs without a nonce: with a secret it gets 401 naming the missing nonce and the
+#      protocol version, without one the hash mismatch names protocol_version.
 
 MAX_CHUNK_BYTES = 4 * 1024 * 1024  # largest raw payload in one frame or push write
 MAX_HEADER_BYTES = 1024 * 1024

@@ -23,6 +23,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from services.common.limits import runner_options
 from services.worker.app import create_app
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient
@@ -106,7 +107,8 @@ class WorkerThread:
         return f"http://127.0.0.1:{self.port}"
 
     async def _start(self) -> None:
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=1.0)
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=1.0,
+                                     **runner_options(self.app))
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
