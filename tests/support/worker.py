@@ -80,7 +80,7 @@ async def wait_healthy(client: TestClient, timeout: float = 60.0) -> None:
 async def start_client(config: WorkerConfig, engine: EngineClient | None = None) -> TestClient:
     """A TestClient on a fresh app (fake engine if given, else the real factory); ready."""
     app = create_app(config, factory_for(engine) if engine is not None else None)
-    client = TestClient(TestServer(app, handler_cancellation=True))
+    client = TestClient(TestServer(app, handler_cancellation=True, **runner_options(app)))
     await client.start_server()
     await wait_healthy(client)
     return client
