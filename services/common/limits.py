@@ -5,7 +5,10 @@ request:
 - the request head (request line and headers) must arrive within `header_timeout_s` of the
   connection opening or of the previous response. aiohttp's keep-alive timer is that bound:
   it closes a connection that has no complete request head when it fires, whether the
-  connection is idle or half way through its headers (`runner_options`). Lines and fields
+  connection is idle or half way through its headers (`runner_options`). So the bound is
+  also the idle keep-alive: the 60 s default outlasts the clients' pools (the router keeps
+  idle connections 30 s, aiohttp 15 s), which then never reuse a connection the server is
+  closing. Lines and fields
   are bounded by aiohttp's parser (8 KiB each, 128 headers: its defaults, kept);
 - a body larger than `max_body_bytes` is refused with 413 as soon as its headers arrive,
   from Content-Length, before any byte of it is read. A chunked body is bounded as it is read
@@ -37,7 +40,7 @@ class ServerLimits:
     """The bounds of one listener; each service's config builds one from its flags."""
 
     max_body_bytes: int
-    header_timeout_s: float = 30.0
+    header_timeout_s: float = 60.0
     body_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:

@@ -72,7 +72,7 @@ class KVTransferConfig:
     request_timeout_s: float = 60.0
     auth_past_s: float = 30.0
     auth_future_s: float = 5.0
-    header_timeout_s: float = 30.0
+    header_timeout_s: float = 60.0
     body_timeout_s: float = 60.0
     layer_start: int = 0
     layer_end: int | None = None

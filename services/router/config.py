@@ -113,7 +113,7 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
     max_body_bytes: int = 32 * 1024 * 1024
-    header_timeout_s: float = 30.0
+    header_timeout_s: float = 60.0
     body_timeout_s: float = 60.0
     drain_grace_s: float = 10.0  # SIGTERM: in-flight requests get this long to finish
     breaker: BreakerConfig = field(default_factory=BreakerConfig)

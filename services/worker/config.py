@@ -70,7 +70,7 @@ class WorkerConfig:
     port: int = 8100
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_body_size: int = DEFAULT_MAX_BODY_SIZE
-    header_timeout_s: float = 30.0
+    header_timeout_s: float = 60.0
     body_timeout_s: float = 60.0
     max_queue: int = 256
     drain_grace_seconds: float = 30.0
