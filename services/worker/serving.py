@@ -44,7 +44,7 @@ from services.worker.generation import (
     running_choices,
 )
 from services.worker.kv_params import parse_kv_transfer_params
-from services.worker.leg_auth import require_signed_leg
+from services.worker.leg_auth import require_trusted_leg
 from services.worker.logprobs import LogprobFormatter
 from services.worker.metrics import ChoiceTimer, WorkerMetrics
 from services.worker.openai_protocol import (
@@ -93,13 +93,13 @@ class GenerationService:
         return name
 
     @contextlib.contextmanager
-    def leg(self, body: dict[str, Any], *, signed: bool) -> Iterator[LegState | None]:
+    def leg(self, body: dict[str, Any], *, trusted: bool) -> Iterator[LegState | None]:
         """The request's P/D leg, if any, for the duration of its handling.
 
         Whatever fails before the KV transfer started (a bad field, an unknown model, 429...)
         frees the leg's resources on both sides at once: a decode that refuses a request
-        still releases the prefill's lease. A prefill leg that the mesh's KV secret did not
-        sign (`signed`: services.worker.leg_auth) is refused before anything is held.
+        still releases the prefill's lease. A prefill leg from a caller that is not `trusted`
+        (services.worker.leg_auth) is refused before anything is held.
         """
         if self.pd_legs is None:
             yield None
@@ -110,7 +110,7 @@ class GenerationService:
             return
         if isinstance(leg, PrefillLegParams):
             assert self.config.kv is not None, "a worker with P/D legs has a KV service"
-            require_signed_leg(self.config.kv.secret is not None, signed)
+            require_trusted_leg(self.config.kv.secret is not None, trusted)
         state = LegState(leg)
         self.pd_legs.arrive(state)
         try:
