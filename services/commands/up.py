@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import shlex
 import socket
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 HELP = ("Start a router and N prefill + N decode workers on loopback, restarting any that "
@@ -59,6 +61,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "TLS (passed to the router and every worker; the mesh's URLs become https://)"))
     parser.add_argument("--kv-require-client-cert", action="store_true",
                         help="every worker's KV listener requires client certificates (mTLS)")
+
+
+def ensure_kv_secret(environ: MutableMapping[str, str]) -> bool:
+    """Give the mesh a random KV secret unless PDMESH_KV_SECRET (or _FILE) names one; True if
+    one was made. It goes to the children through the environment they inherit: never on a
+    command line (argv is public in `ps`), never printed."""
+    from services.kv_transfer.config import KV_SECRET_ENV, KV_SECRET_FILE_ENV
+
+    if environ.get(KV_SECRET_ENV) or environ.get(KV_SECRET_FILE_ENV):
+        return False
+    environ[KV_SECRET_ENV] = secrets.token_hex(32)
+    return True
 
 
 def _free_port(host: str, start: int, taken: set[int]) -> int:
@@ -189,6 +203,9 @@ def run(args: argparse.Namespace) -> int:
     from services.worker.parsers_config import ParsersConfig
     from shared.config import kernel_tier_from_env
 
+    if ensure_kv_secret(os.environ):
+        print("[up] generated a random KV secret for this mesh (set PDMESH_KV_SECRET to choose "
+              "one; it is never printed)", flush=True)
     try:
         kernel_tier_from_env(os.environ)  # the workers inherit it: refuse a bad one up front
         ParsersConfig.from_args(args, os.environ)  # likewise (and not a reason to go mixed)

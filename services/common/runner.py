@@ -17,6 +17,7 @@ import uvloop
 from aiohttp import web
 
 from services.common.lifecycle import LIFECYCLE_KEY
+from services.common.limits import runner_options
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,8 @@ async def serve_until_signalled(app: web.Application, host: str, port: int, grac
     HTTPS when `ssl_context` is given."""
     lifecycle = app[LIFECYCLE_KEY]
     runner = web.AppRunner(
-        app, handle_signals=False, handler_cancellation=True, shutdown_timeout=_SHUTDOWN_TIMEOUT_S
+        app, handle_signals=False, handler_cancellation=True, shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+        **runner_options(app),  # header timeout (keep-alive), lingering: services.common.limits
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context)

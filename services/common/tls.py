@@ -142,16 +142,17 @@ def exposure_warning(service: str, host: str, port: int, tls: bool,
                      kv_secret: bool | None = None) -> str | None:
     """Log (and return) the WARNING for a listener bound beyond loopback without protection.
 
-    `kv_secret` is given for a KV listener only: without TLS and without PDMESH_KV_SECRET,
-    anyone who reaches it can pull (or push) prompt KV. None when nothing is at risk.
+    `kv_secret` is given for a KV listener only: without PDMESH_KV_SECRET it serves loopback
+    peers only (services/kv_transfer/auth.py), so no worker on another host can pair with it.
+    None when nothing is at risk.
     """
     if is_loopback(host):
         return None
-    if kv_secret is not None and not tls and not kv_secret:
-        message = (f"{service} listens on {host}:{port} without TLS and without "
-                   "PDMESH_KV_SECRET: anyone on the network can pull prompt KV (the users' "
-                   "prompts) or write into this cache; set PDMESH_KV_SECRET and "
-                   "--tls-cert/--tls-key, or bind to loopback")
+    if kv_secret is not None and not kv_secret:
+        message = (f"{service} listens on {host}:{port} without PDMESH_KV_SECRET: it refuses "
+                   "every peer that is not on loopback, so no worker on another host can pair "
+                   "with it; set the same PDMESH_KV_SECRET on every worker (and "
+                   "--tls-cert/--tls-key to encrypt the KV it moves)")
     elif not tls:
         message = (f"{service} listens on {host}:{port} over plain HTTP: traffic (prompts, "
                    "completions, bearer keys) can be read and changed on the network; "

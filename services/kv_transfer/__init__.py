@@ -5,9 +5,11 @@ One concept per module; "prefill"/"decode" in a name say which side of a transfe
 - `service`: `KVTransferService`, the object a worker keeps (`.pull` / `.push`, each with its
   `.prefill` and `.decode` side; the wrong mode is a 409);
 - `context`: the state a transfer mode works in (`KVContext`), the mode base, metrics;
-- `handshake`: the handshake, both sides: compat hash, negotiation, layer coverage, HMAC, the
+- `handshake`: the handshake, both sides: compat hash, negotiation, layer coverage, the
   handshaken peers (server side) and `PeerClient`, which handshakes with and sends every
-  request to another KV service (client side);
+  (signed) request to another KV service (client side);
+- `auth`: who may call: signed requests (timestamp, nonce, replay cache) with a secret,
+  loopback peers only without one;
 - `lease`: the prefill's leases on finished blocks (pull mode);
 - `store`: the engine's block store (`EngineBlockStore`, `InMemoryBlockStore`), gather/scatter;
 - `codec`: chunking, staging buffers, digests and placement of blocks on the wire;

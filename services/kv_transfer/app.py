@@ -2,7 +2,7 @@
 
 Same skeleton as the other services: `create_app(config, service)` builds the app with one
 route table (/kv/v1/), typed AppKey state, middlewares (OpenAI error envelope outermost, then
-HMAC), and a cleanup context that owns the service's runtime resources (HTTP client session,
+size and time limits, then authentication: services.kv_transfer.auth), and a cleanup context that owns the service's runtime resources (HTTP client session,
 heartbeat and reaper tasks). `start_server` binds the socket first so an ephemeral port is
 known to the service (it goes into kv_transfer_params) before anything starts.
 
@@ -23,11 +23,13 @@ from typing import TypeVar
 from aiohttp import web
 
 from services.common.errors import BadRequestError, error_middleware
+from services.common.limits import install_limits, limits_middleware, runner_options
 from services.common.tls import exposure_warning
+from services.kv_transfer.auth import kv_auth_middleware
 from services.kv_transfer.config import KVTransferConfig
-from services.kv_transfer.handshake import check_hash, hmac_middleware, negotiate
+from services.kv_transfer.handshake import check_hash, negotiate
 from services.kv_transfer.service import KVTransferService
-from shared.protocol.codec import MAX_HEADER_BYTES, EnvelopeReader, Message, ProtocolError, encode
+from shared.protocol.codec import EnvelopeReader, Message, ProtocolError, encode
 from shared.protocol.messages import (
     HandshakeAccepted,
     HeartbeatRequest,
@@ -203,13 +205,14 @@ async def _service_lifetime(app: web.Application) -> AsyncIterator[None]:
 def create_app(config: KVTransferConfig, service: KVTransferService) -> web.Application:
     """The KV app; `service` is built by the worker (it also calls offer/fetch/send/receive)."""
     app = web.Application(
-        # A push write is one envelope plus one chunk; nothing larger is ever posted.
-        client_max_size=config.max_chunk_bytes + MAX_HEADER_BYTES,
-        middlewares=[error_middleware, hmac_middleware(config.secret, config.auth_max_skew_s)],
+        client_max_size=config.max_body_bytes,
+        middlewares=[error_middleware, limits_middleware(config.limits),
+                     kv_auth_middleware(config.secret, config.signature_window)],
     )
+    install_limits(app, config.limits)
     app[CONFIG_KEY] = config
     app[SERVICE_KEY] = service
-    app[BODY_BUFFERS_KEY] = BodyBuffers(config.max_chunk_bytes + MAX_HEADER_BYTES)
+    app[BODY_BUFFERS_KEY] = BodyBuffers(config.max_body_bytes)
     app.cleanup_ctx.append(_service_lifetime)
     app.add_routes(routes)
     return app
@@ -227,9 +230,11 @@ async def start_server(config: KVTransferConfig, service: KVTransferService) -> 
     service.set_port(sock.getsockname()[1])
     exposure_warning("the KV-transfer service", config.host, sock.getsockname()[1],
                      config.tls.enabled, kv_secret=config.secret is not None)
-    runner = web.AppRunner(create_app(config, service), handle_signals=False,
+    app = create_app(config, service)
+    runner = web.AppRunner(app, handle_signals=False,
                            handler_cancellation=True, shutdown_timeout=2.0,
-                           read_bufsize=config.max_chunk_bytes)  # push writes: one chunk
+                           read_bufsize=config.max_chunk_bytes,  # push writes: one chunk
+                           **runner_options(app))
     await runner.setup()
     ssl_context = config.tls.server_context(config.require_client_cert)
     await web.SockSite(runner, sock, ssl_context=ssl_context).start()

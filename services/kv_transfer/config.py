@@ -1,7 +1,8 @@
 """KVTransferConfig: the KV service's settings, built once from flags and the environment.
 
-`PDMESH_KV_SECRET` is read here and nowhere else (through the `environ` mapping handed to
-`from_args`). The transfer mode is a name here only to pick the transfer class; the mode in
+`PDMESH_KV_SECRET` (or the file named by `PDMESH_KV_SECRET_FILE`) is read here and nowhere
+else (`kv_secret_from_env`, through the `environ` mapping handed to `from_args`; the router's
+config calls it too). The transfer mode is a name here only to pick the transfer class; the mode in
 the compat hash always comes from that class's `mode` attribute.
 """
 
@@ -12,12 +13,34 @@ import socket
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from services.common.limits import ServerLimits
+from services.common.signing import MIN_SECRET_BYTES, SignatureWindow
 from services.common.tls import TLSFiles
-from shared.protocol.codec import MAX_CHUNK_BYTES
+from shared.protocol.codec import MAX_CHUNK_BYTES, MAX_HEADER_BYTES
 from shared.protocol.messages import ROLES, TRANSFER_MODES
 
 KV_SECRET_ENV = "PDMESH_KV_SECRET"
+KV_SECRET_FILE_ENV = "PDMESH_KV_SECRET_FILE"
+
+
+def kv_secret_from_env(environ: Mapping[str, str]) -> bytes | None:
+    """The mesh's KV secret: `PDMESH_KV_SECRET`, else the contents of `PDMESH_KV_SECRET_FILE`
+    (surrounding whitespace stripped; the docker-secrets convention), else None."""
+    value = environ.get(KV_SECRET_ENV, "")
+    path = environ.get(KV_SECRET_FILE_ENV, "")
+    if not value and path:
+        try:
+            value = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"{KV_SECRET_FILE_ENV}: cannot read {path}: "
+                             f"{exc.strerror or type(exc).__name__}") from None
+        if not value:
+            raise ValueError(f"{KV_SECRET_FILE_ENV}: {path} is empty")
+    if value and len(value.encode()) < MIN_SECRET_BYTES:
+        raise ValueError(f"{KV_SECRET_ENV} must be at least {MIN_SECRET_BYTES} bytes")
+    return value.encode() if value else None
 DEFAULT_KV_PORT = 14579
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
@@ -49,6 +72,9 @@ class KVTransferConfig:
     know to connect with TLS), and this service's peer client verifies TLS peers against
     `tls.ca` and presents the certificate as its client certificate. `require_client_cert`
     (mTLS) refuses peers whose certificate does not chain to `tls.ca`.
+    With a `secret` every request is signed; a signature is accepted `auth_past_s` after and
+    `auth_future_s` before this clock, once (`services.kv_transfer.auth`). A request head must
+    arrive within `header_timeout_s`, a body within `body_timeout_s` (ServerLimits).
     """
 
     role: str = "prefill"
@@ -64,7 +90,10 @@ class KVTransferConfig:
     allow_incompatible: bool = False
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 60.0
-    auth_max_skew_s: float = 300.0
+    auth_past_s: float = 30.0
+    auth_future_s: float = 5.0
+    header_timeout_s: float = 60.0
+    body_timeout_s: float = 60.0
     layer_start: int = 0
     layer_end: int | None = None
     pp_size: int = 1
@@ -86,11 +115,26 @@ class KVTransferConfig:
         if self.layer_partition is not None and len(self.layer_partition) != self.pp_size:
             raise ValueError(f"layer partition {list(self.layer_partition)} has "
                              f"{len(self.layer_partition)} stages, pp_size is {self.pp_size}")
-        if self.secret is not None and len(self.secret) < 16:
-            raise ValueError(f"{KV_SECRET_ENV} must be at least 16 bytes")
+        if self.secret is not None and len(self.secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"{KV_SECRET_ENV} must be at least {MIN_SECRET_BYTES} bytes")
         if self.require_client_cert and (not self.tls.enabled or self.tls.ca is None):
             raise ValueError("--kv-require-client-cert needs --tls-cert/--tls-key (the KV "
                              "listener's TLS) and --tls-ca (the CA client certificates chain to)")
+        SignatureWindow(self.auth_past_s, self.auth_future_s)  # validates
+        ServerLimits(self.max_body_bytes, self.header_timeout_s, self.body_timeout_s)
+
+    @property
+    def signature_window(self) -> SignatureWindow:
+        return SignatureWindow(self.auth_past_s, self.auth_future_s)
+
+    @property
+    def max_body_bytes(self) -> int:
+        """A push write is one envelope plus one chunk; nothing larger is ever posted."""
+        return self.max_chunk_bytes + MAX_HEADER_BYTES
+
+    @property
+    def limits(self) -> ServerLimits:
+        return ServerLimits(self.max_body_bytes, self.header_timeout_s, self.body_timeout_s)
 
     @property
     def public_host(self) -> str:
@@ -118,7 +162,6 @@ class KVTransferConfig:
     def from_args(cls, args: argparse.Namespace, role: str, environ: Mapping[str, str],
                   tls: TLSFiles | None = None) -> KVTransferConfig:
         """`tls`: the worker's files (the KV listener reuses its certificate)."""
-        secret = environ.get(KV_SECRET_ENV, "")
         return cls(
             role=role, mode=args.transfer_mode, host=args.kv_host, port=args.kv_port,
             # A wildcard bind names no address a peer can use: advertise our own.
@@ -126,9 +169,12 @@ class KVTransferConfig:
                 own_address() if args.kv_host in WILDCARD_HOSTS else None),
             lease_seconds=args.kv_lease_seconds,
             push_deadline_seconds=args.kv_push_deadline_seconds,
-            secret=secret.encode() if secret else None,
+            secret=kv_secret_from_env(environ),
             allow_incompatible=args.kv_allow_incompatible, tls=tls or TLSFiles(),
             require_client_cert=args.kv_require_client_cert,
+            auth_past_s=args.kv_auth_window_seconds, auth_future_s=args.kv_auth_future_seconds,
+            header_timeout_s=args.kv_header_timeout_seconds,
+            body_timeout_s=args.kv_body_timeout_seconds,
         )
 
 
@@ -153,3 +199,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-require-client-cert", action="store_true",
                    help="mTLS: KV peers must present a certificate that chains to --tls-ca "
                         "(the KV listener serves TLS with the worker's --tls-cert/--tls-key)")
+    g.add_argument("--kv-auth-window-seconds", type=float, default=d.auth_past_s,
+                   help="a signed KV request is accepted this long after it was signed (its "
+                        "nonce is remembered as long, so a replay is refused)")
+    g.add_argument("--kv-auth-future-seconds", type=float, default=d.auth_future_s,
+                   help="clock skew allowed for a signed KV request dated in the future")
+    g.add_argument("--kv-header-timeout-seconds", type=float, default=d.header_timeout_s,
+                   help="KV port: close a connection whose request head is not complete "
+                        "after this long (or idle this long)")
+    g.add_argument("--kv-body-timeout-seconds", type=float, default=d.body_timeout_s,
+                   help="KV port: close a connection whose request body is not complete "
+                        "this long after its head")

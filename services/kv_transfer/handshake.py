@@ -11,11 +11,10 @@ With `allow_incompatible` a hash mismatch is logged loudly on every handshake in
 The server side keeps the engines that completed a handshake (`PeerRegistry`); the client
 side (`PeerClient`) handshakes with each peer and sends it every signed request.
 
-Before all of that, HMAC authentication (on when a secret is configured): every handshake and
-transfer request carries `X-PDMesh-KV-Timestamp` (unix seconds) and `X-PDMesh-KV-Signature`,
-hex HMAC-SHA256 over "timestamp\\nMETHOD\\npath\\n" + body. Binding method and path stops a
-signed body from being replayed on another route; the timestamp window bounds replays in
-time. Missing or wrong -> 401, checked before anything in the body is read.
+Before all of that, the KV service's authentication (`services.kv_transfer.auth`): with a
+secret every handshake and transfer request is signed (timestamp, nonce, HMAC:
+services.common.signing) and verified before anything in its body is parsed; without one only
+loopback peers are served.
 
 Client side: `PeerClient.connect(address, engine_id)` handshakes once per peer and caches the
 result; the cache entry is replaced when the engine id a caller expects (from
@@ -27,24 +26,20 @@ re-raised as `PeerError`.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
-import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import aiohttp
-from aiohttp import web
 
 from services.common.errors import (
-    AuthenticationError,
     BadGatewayError,
     ConflictError,
     peer_error,
 )
+from services.common.signing import sign
 from shared.protocol.codec import EnvelopeReader, Message, ProtocolError, decode, seal
 from shared.protocol.compat import CompatFactors, diff_factors
 from shared.protocol.layout import LayerRange
@@ -261,62 +256,6 @@ class PeerRegistry:
 
     def __len__(self) -> int:
         return len(self._by_engine)
-
-
-# ---- HMAC ----------------------------------------------------------------------------
-
-
-SIGNATURE_HEADER = "X-PDMesh-KV-Signature"
-TIMESTAMP_HEADER = "X-PDMesh-KV-Timestamp"
-KV_PREFIX = "/kv/v1/"
-UNSIGNED_PATHS = frozenset({"/kv/v1/info"})  # read-only facts a router may query
-
-
-def _mac(secret: bytes, timestamp: str, method: str, path: str,
-         body_parts: Iterable[bytes | memoryview]) -> str:
-    mac = hmac.new(secret, f"{timestamp}\n{method.upper()}\n{path}\n".encode(), hashlib.sha256)
-    for part in body_parts:
-        mac.update(part)
-    return mac.hexdigest()
-
-
-def sign(secret: bytes | None, method: str, path: str,
-         body_parts: Iterable[bytes | memoryview]) -> dict[str, str]:
-    """Headers to send with a request (none without a secret). Parts avoid joining a body."""
-    if secret is None:
-        return {}
-    ts = str(int(time.time()))
-    return {TIMESTAMP_HEADER: ts, SIGNATURE_HEADER: _mac(secret, ts, method, path, body_parts)}
-
-
-def verify(secret: bytes, headers: Any, method: str, path: str, body: bytes,
-           max_skew_s: float) -> None:
-    ts, sig = headers.get(TIMESTAMP_HEADER), headers.get(SIGNATURE_HEADER)
-    if not ts or not sig:
-        raise AuthenticationError("KV request is not signed (missing HMAC headers)",
-                                  code="kv_auth_missing")
-    try:
-        skew = abs(time.time() - int(ts))
-    except ValueError:
-        skew = float("inf")
-    expected = _mac(secret, ts, method, path, (body,))
-    if not hmac.compare_digest(expected, sig) or skew > max_skew_s:
-        raise AuthenticationError("KV request signature is invalid or too old",
-                                  code="kv_auth_invalid")
-
-
-def hmac_middleware(secret: bytes | None, max_skew_s: float) -> Any:
-    """Verify every request under /kv/v1/ except UNSIGNED_PATHS; a no-op without a secret."""
-
-    @web.middleware
-    async def kv_hmac(request: web.Request, handler: Any) -> web.StreamResponse:
-        if secret is not None and request.path.startswith(KV_PREFIX) \
-                and request.path not in UNSIGNED_PATHS:
-            body = await request.read()  # cached by aiohttp for the handler
-            verify(secret, request.headers, request.method, request.path, body, max_skew_s)
-        return await handler(request)
-
-    return kv_hmac
 
 
 # ---- client side ---------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Same skeleton as every pdmesh service: typed `web.AppKey` state, one route table, resources
 owned by `cleanup_ctx` (pooled client sessions, the health loop), middlewares (request id,
-error envelope, auth, readiness gate).
+error envelope, size and time limits, auth, readiness gate).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from services.common.errors import AuthenticationError, error_middleware
 from services.common.lifecycle import LIFECYCLE_KEY, Lifecycle, readiness_middleware
+from services.common.limits import install_limits, limits_middleware
 from services.common.middleware import ApiKeyAuth, api_prefix_predicate, install_request_id
 from services.router import admin, api
 from services.router.admission import Admission
@@ -55,8 +56,9 @@ async def sessions_context(app: web.Application) -> AsyncIterator[None]:
     """Open the pooled sessions, build the loop-bound runtime; close everything at exit."""
     state = app[STATE_KEY]
     cfg = state.config
-    legs = Upstream(_session(cfg, total=None), cfg.worker_api_key)
-    control = Upstream(_session(cfg, total=cfg.health_timeout_s * 2), cfg.worker_api_key)
+    legs = Upstream(_session(cfg, total=None), cfg.worker_api_key, cfg.kv_secret)
+    control = Upstream(_session(cfg, total=cfg.health_timeout_s * 2), cfg.worker_api_key,
+                       cfg.kv_secret)
     tokenizer = PromptTokenizer(cfg.tokenizer, state.registry, control)
     checker = HealthChecker(state.registry, control, cfg, state.metrics, state.pairing.prefix)
     leases = LeaseReleaser(control, state.metrics)
@@ -126,11 +128,13 @@ def create_app(config: RouterConfig, resolver: Resolver | None = None) -> web.Ap
     discovered ones as they are found (`resolver`: DNS for dns:// targets, tests inject one)."""
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[error_middleware, _auth_middleware(config),
+        middlewares=[error_middleware, limits_middleware(config.limits),
+                     _auth_middleware(config),
                      readiness_middleware(api_prefix_predicate(API_PATHS))],
     )
     install_request_id(app)
     install_cors(app, config.cors_allow_origins)
+    install_limits(app, config.limits)
     registry = WorkerRegistry(config.breaker, config.model)
     for urls, role in ((config.prefill_urls, Role.PREFILL), (config.decode_urls, Role.DECODE),
                        (config.mixed_urls, Role.MIXED)):

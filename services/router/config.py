@@ -15,7 +15,9 @@ from enum import StrEnum
 from urllib.parse import urlsplit
 
 from services.common import tls
+from services.common.limits import ServerLimits
 from services.common.tls import TLSFiles
+from services.kv_transfer.config import kv_secret_from_env
 
 
 class Policy(StrEnum):
@@ -175,7 +177,13 @@ class DiscoveryConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Everything the router app needs; built once in `from_args` (or directly in tests)."""
+    """Everything the router app needs; built once in `from_args` (or directly in tests).
+
+    Secrets (`api_keys`, `admin_token`, `worker_api_key`, `kv_secret`) never appear in repr.
+    `kv_secret` is the mesh's PDMESH_KV_SECRET: the router signs every POST to a worker with it,
+    and workers with a secret hand out KV only to prefill legs so signed. A request head must
+    arrive within `header_timeout_s`, its body within `body_timeout_s` (`limits`).
+    """
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -183,9 +191,10 @@ class RouterConfig:
     decode_urls: tuple[str, ...] = ()
     mixed_urls: tuple[str, ...] = ()
     model: str | None = None  # None: the model the first healthy worker reports
-    api_keys: tuple[str, ...] = ()
-    admin_token: str | None = None
-    worker_api_key: str | None = None
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    admin_token: str | None = field(default=None, repr=False)
+    worker_api_key: str | None = field(default=None, repr=False)
+    kv_secret: bytes | None = field(default=None, repr=False)
     prefill_policy: Policy = Policy.PREFIX_AWARE
     decode_policy: Policy = Policy.LEAST_LOADED
     disagg_min_tokens: int = 0
@@ -199,6 +208,8 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
     max_body_bytes: int = 32 * 1024 * 1024
+    header_timeout_s: float = 60.0
+    body_timeout_s: float = 60.0
     drain_grace_s: float = 10.0  # SIGTERM: in-flight requests get this long to finish
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
@@ -220,10 +231,16 @@ class RouterConfig:
             if origin != "*" and not origin.startswith(("http://", "https://")):
                 raise ValueError(f"--cors-allow-origin takes '*' or scheme://host[:port], "
                                  f"got {origin!r}")
+        ServerLimits(self.max_body_bytes, self.header_timeout_s, self.body_timeout_s)
+
+    @property
+    def limits(self) -> ServerLimits:
+        return ServerLimits(self.max_body_bytes, self.header_timeout_s, self.body_timeout_s)
 
     @staticmethod
     def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> RouterConfig:
-        """Flags win; secrets may come from PDMESH_API_KEY / _ADMIN_TOKEN / _WORKER_API_KEY."""
+        """Flags win; secrets may come from PDMESH_API_KEY / _ADMIN_TOKEN / _WORKER_API_KEY;
+        the KV secret only from PDMESH_KV_SECRET (or _FILE), never a flag (argv is public)."""
         api_keys = tuple(args.api_key or ()) or _env_list(environ, "PDMESH_API_KEY")
         return RouterConfig(
             host=args.host, port=args.port,
@@ -231,6 +248,9 @@ class RouterConfig:
             mixed_urls=tuple(_strip(args.worker)), model=args.model, api_keys=api_keys,
             admin_token=args.admin_token or environ.get("PDMESH_ADMIN_TOKEN") or None,
             worker_api_key=args.worker_api_key or environ.get("PDMESH_WORKER_API_KEY") or None,
+            kv_secret=kv_secret_from_env(environ),
+            max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_seconds,
+            body_timeout_s=args.body_timeout_seconds,
             prefill_policy=Policy(args.prefill_policy), decode_policy=Policy(args.decode_policy),
             disagg_min_tokens=args.disagg_min_tokens, tokenizer=TokenizerSource(args.tokenizer),
             early_first_token=not args.no_early_first_token,
@@ -297,6 +317,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
                         help="seconds a worker may stay silent during a leg")
     parser.add_argument("--drain-grace-seconds", type=float, default=d.drain_grace_s)
+    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                        help="a larger request body gets 413 before any byte of it is read")
+    parser.add_argument("--header-timeout-seconds", type=float, default=d.header_timeout_s,
+                        help="close a connection whose request head is not complete after "
+                             "this long (or that stays idle this long)")
+    parser.add_argument("--body-timeout-seconds", type=float, default=d.body_timeout_s,
+                        help="close a connection whose request body is not complete this long "
+                             "after its head")
     parser.add_argument("--breaker-failures", type=int, default=d.breaker.failures)
     parser.add_argument("--breaker-window", type=float, default=d.breaker.window_s)
     parser.add_argument("--breaker-cooldown", type=float, default=d.breaker.cooldown_s)

@@ -13,8 +13,10 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from services.common.errors import ApiError, InternalServerError
+from services.common.signing import signed_json
 from services.router.errors import UpstreamError
 
 RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -63,20 +65,34 @@ async def _failure_from(worker_id: str, resp: aiohttp.ClientResponse) -> Upstrea
 
 
 class Upstream:
-    """The pooled client session plus the headers every leg carries."""
+    """The pooled client session plus the headers every leg carries.
 
-    def __init__(self, session: aiohttp.ClientSession, worker_api_key: str | None) -> None:
+    With the mesh's KV secret every POST is signed with it (services.common.signing; a fresh
+    nonce per attempt): workers hand out KV leases only to prefill legs so signed
+    (services.worker.leg_auth).
+    """
+
+    def __init__(self, session: aiohttp.ClientSession, worker_api_key: str | None,
+                 kv_secret: bytes | None = None) -> None:
         self.session = session
         self._auth = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
+        self._secret = kv_secret
+
+    def __repr__(self) -> str:  # never the key or the secret
+        return f"Upstream(signed={self._secret is not None})"
 
     def headers(self, request_id: str) -> dict[str, str]:
         return {"X-Request-Id": request_id, **self._auth}
+
+    def _post(self, url: str, body: dict[str, Any], request_id: str) -> Any:
+        data, signed = signed_json(self._secret, URL(url).path, body)
+        return self.session.post(url, data=data, headers={**self.headers(request_id), **signed})
 
     async def post_json(self, worker_id: str, url: str, body: dict[str, Any],
                         request_id: str) -> tuple[dict[str, Any], dict[str, str]]:
         """POST and return (json body, response headers); raise UpstreamFailure otherwise."""
         try:
-            async with self.session.post(url, json=body, headers=self.headers(request_id)) as resp:
+            async with self._post(url, body, request_id) as resp:
                 if resp.status >= 400:
                     raise await _failure_from(worker_id, resp)
                 return await resp.json(content_type=None), dict(resp.headers)
@@ -99,7 +115,7 @@ class Upstream:
         """Open a streamed POST; 2xx only. Leaving the block early *closes* the connection, which
         is how the worker learns that the client went away (it aborts the request)."""
         try:
-            resp = await self.session.post(url, json=body, headers=self.headers(request_id))
+            resp = await self._post(url, body, request_id)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise UpstreamFailure(worker_id, None, f"{type(exc).__name__}: {exc}") from exc
         try:

@@ -1,7 +1,8 @@
 """`create_app(config)`: the worker's aiohttp application.
 
 Same skeleton as every pdmesh service: typed `web.AppKey` state, one route table, resources
-owned by a `cleanup_ctx`, middlewares (request id, error envelope, auth, readiness gate).
+owned by a `cleanup_ctx`, middlewares (request id, error envelope, size and time limits,
+API key, prefill-leg signature, readiness gate).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from aiohttp import web
 
 from services.common.errors import error_middleware
 from services.common.lifecycle import LIFECYCLE_KEY, Lifecycle, readiness_middleware
+from services.common.limits import install_limits, limits_middleware
 from services.common.middleware import ApiKeyAuth, api_prefix_predicate, install_request_id
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import (
@@ -22,6 +24,7 @@ from services.worker.engine_client import (
     pipeline_engine_factory,
     real_engine_factory,
 )
+from services.worker.leg_auth import leg_auth_middleware
 from services.worker.routes import RUNTIME_KEY, STARTED_AT_KEY, routes
 from services.worker.runtime import WorkerRuntime
 
@@ -56,9 +59,11 @@ def create_app(config: WorkerConfig, engine_factory: EngineFactory | None = None
     auth = ApiKeyAuth(config.api_keys, guarded)
     app = web.Application(
         client_max_size=config.max_body_size,
-        middlewares=[error_middleware, auth.middleware(), readiness_middleware(guarded)],
+        middlewares=[error_middleware, limits_middleware(config.limits), auth.middleware(),
+                     leg_auth_middleware(config.kv), readiness_middleware(guarded)],
     )
     install_request_id(app)
+    install_limits(app, config.limits)
     default = (pipeline_engine_factory(config.pipeline) if config.pipeline.enabled
                else real_engine_factory)
     runtime = WorkerRuntime(config, engine_factory or default)

@@ -15,6 +15,7 @@ from enum import StrEnum
 
 from kernels.tier import TIER_CHOICES
 from services.common import tls
+from services.common.limits import ServerLimits
 from services.common.tls import TLSFiles
 from services.common.units import parse_size
 from services.kv_transfer.config import KVTransferConfig
@@ -61,14 +62,19 @@ class WorkerConfig:
     the pipeline's (a PP prefill's KV service declares each stage's layers in the handshake).
     `parsers` are the tool-call and reasoning parsers its chat output is read with.
     `tls`: HTTPS for the API when it has a certificate (the KV listener reuses the files).
+    A request head must arrive within `header_timeout_s`, its body within `body_timeout_s`
+    (`limits`; bodies over `max_body_size` get 413 from Content-Length). `api_keys` never
+    appear in repr (nor does the KV secret).
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     role: Role = Role.MIXED
     host: str = "127.0.0.1"
     port: int = 8100
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_body_size: int = DEFAULT_MAX_BODY_SIZE
+    header_timeout_s: float = 60.0
+    body_timeout_s: float = 60.0
     max_queue: int = 256
     drain_grace_seconds: float = 30.0
     # After an engine failure: in-flight requests get this long to be answered, then the
@@ -107,6 +113,11 @@ class WorkerConfig:
             raise ValueError("engine_failure_drain_seconds must be >= 0")
         if any(not key for key in self.api_keys):
             raise ValueError("API keys must be non-empty")
+        ServerLimits(self.max_body_size, self.header_timeout_s, self.body_timeout_s)
+
+    @property
+    def limits(self) -> ServerLimits:
+        return ServerLimits(self.max_body_size, self.header_timeout_s, self.body_timeout_s)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -171,6 +182,8 @@ class WorkerConfig:
             port=args.port,
             api_keys=keys,
             max_body_size=parse_size(args.max_body_size),
+            header_timeout_s=args.header_timeout_seconds,
+            body_timeout_s=args.body_timeout_seconds,
             max_queue=args.max_queue,
             drain_grace_seconds=args.drain_grace_seconds,
             engine_failure_drain_seconds=args.engine_failure_drain_seconds,
@@ -202,7 +215,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="names accepted as 'model' (default: --model); the first is reported")
     parser.add_argument("--api-key", action="append", default=None,
                         help=f"accepted bearer key, repeatable (default: ${API_KEY_ENV}, comma separated)")
-    parser.add_argument("--max-body-size", default=str(w.max_body_size), help="e.g. 4MiB")
+    parser.add_argument("--max-body-size", default=str(w.max_body_size),
+                        help="e.g. 4MiB; a larger Content-Length gets 413 before any byte of "
+                             "the body is read")
+    parser.add_argument("--header-timeout-seconds", type=float, default=w.header_timeout_s,
+                        help="close a connection whose request head is not complete after "
+                             "this long (or that stays idle this long)")
+    parser.add_argument("--body-timeout-seconds", type=float, default=w.body_timeout_s,
+                        help="close a connection whose request body is not complete this long "
+                             "after its head")
     parser.add_argument("--max-queue", type=int, default=w.max_queue,
                         help="sequences allowed beyond --max-num-seqs before answering 429")
     parser.add_argument("--drain-grace-seconds", type=float, default=w.drain_grace_seconds)

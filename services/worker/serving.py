@@ -44,6 +44,7 @@ from services.worker.generation import (
     running_choices,
 )
 from services.worker.kv_params import parse_kv_transfer_params
+from services.worker.leg_auth import require_trusted_leg
 from services.worker.logprobs import LogprobFormatter
 from services.worker.metrics import ChoiceTimer, WorkerMetrics
 from services.worker.openai_protocol import (
@@ -60,7 +61,7 @@ from shared.engine.kv_connector import KVRequestOptions
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.structured_spec import InvalidStructuredOutput, StructuredOutputSpec
-from shared.protocol.pd import OUTPUT_PARSED_FIELD, PHASES_HEADER, ApiKind
+from shared.protocol.pd import OUTPUT_PARSED_FIELD, PHASES_HEADER, ApiKind, PrefillLegParams
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +93,13 @@ class GenerationService:
         return name
 
     @contextlib.contextmanager
-    def leg(self, body: dict[str, Any]) -> Iterator[LegState | None]:
+    def leg(self, body: dict[str, Any], *, trusted: bool) -> Iterator[LegState | None]:
         """The request's P/D leg, if any, for the duration of its handling.
 
         Whatever fails before the KV transfer started (a bad field, an unknown model, 429...)
         frees the leg's resources on both sides at once: a decode that refuses a request
-        still releases the prefill's lease.
+        still releases the prefill's lease. A prefill leg from a caller that is not `trusted`
+        (services.worker.leg_auth) is refused before anything is held.
         """
         if self.pd_legs is None:
             yield None
@@ -106,6 +108,9 @@ class GenerationService:
         if leg is None:
             yield None
             return
+        if isinstance(leg, PrefillLegParams):
+            assert self.config.kv is not None, "a worker with P/D legs has a KV service"
+            require_trusted_leg(self.config.kv.secret is not None, trusted)
         state = LegState(leg)
         self.pd_legs.arrive(state)
         try:

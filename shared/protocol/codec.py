@@ -49,10 +49,14 @@ KV_PROTOCOL_VERSION = 4
 #      WeightTransforms: the quantisation of the decoder and of the LM head), so a quantised
 #      and a dense worker of one checkpoint get different hashes. A version-2 peer hashes
 #      without it and is refused on the hash, naming the new factor and the version.
-#   4  push_register gained `kv_tls`: the decode's KV listener serves TLS, so the prefill
-#      writes to it over https. A version-3 peer would reject the field: it is refused on the
-#      hash instead. (kv_transfer_params gained the optional `remote_tls` likewise, written
-#      only when true, so a plain-HTTP mesh's JSON contract is unchanged.)
+#   4  signed requests (with PDMESH_KV_SECRET) carry a nonce (`X-PDMesh-KV-Nonce`) inside the
+#      HMAC ("timestamp\nnonce\nMETHOD\npath\n" + body), accepted once within a 30 s + 5 s
+#      window; without a secret a KV service serves loopback peers only. A version-3 peer
+#      signs without a nonce: with a secret it gets 401 naming the missing nonce and the
+#      protocol version, without one the hash mismatch names protocol_version.
+#      push_register gained `kv_tls`: the decode's KV listener serves TLS, so the prefill
+#      writes to it over https (kv_transfer_params gained the optional `remote_tls` likewise,
+#      written only when true, so a plain-HTTP mesh's JSON contract is unchanged).
 
 MAX_CHUNK_BYTES = 4 * 1024 * 1024  # largest raw payload in one frame or push write
 MAX_HEADER_BYTES = 1024 * 1024

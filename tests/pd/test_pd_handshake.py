@@ -10,6 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from services.common.signing import signed_json
 from services.router.config import RouterConfig
 from services.router.errors import NoServableGroupError
 from services.router.pairing import Decision, Pairing
@@ -84,8 +85,10 @@ async def test_kv_metrics_are_on_the_workers_metrics_page(mesh: Mesh) -> None:
         assert f"# TYPE pdmesh:{metric} {kind}" in text
 
 
-async def _pull_params(s: aiohttp.ClientSession, prefill_url: str) -> dict:
-    pre = await post(s, prefill_url + COMPLETIONS, prefill_body(BODY, {"do_remote_decode": True}))
+async def _pull_params(s: aiohttp.ClientSession, prefill_url: str,
+                       secret: bytes | None = None) -> dict:
+    pre = await post(s, prefill_url + COMPLETIONS, prefill_body(BODY, {"do_remote_decode": True}),
+                     secret)
     assert pre.status == 200, pre.body
     return pre.body["kv_transfer_params"]
 
@@ -177,11 +180,11 @@ async def test_other_block_size_is_refused_after_the_hash_matched(mesh: Mesh, va
 async def test_kv_requests_are_signed_when_a_secret_is_set(mesh: Mesh, variants) -> None:
     signed_prefill, signed_decode = variants["signed_prefill"].url, variants["signed_decode"].url
     async with aiohttp.ClientSession() as s:
-        ok = await dispatch_pull(s, signed_prefill, signed_decode, COMPLETIONS, BODY)
+        ok = await dispatch_pull(s, signed_prefill, signed_decode, COMPLETIONS, BODY, SECRET)
         assert ok.status == 200, ok.body
         assert (await metadata(s, signed_prefill))["kv_transfer"]["auth"] is True
         # An unsigned decode is refused by the prefill: a mesh fault (502), not the client's 401.
-        params = await _pull_params(s, signed_prefill)
+        params = await _pull_params(s, signed_prefill, SECRET)
         got = await post(s, mesh.decode.url + COMPLETIONS, {**BODY, "kv_transfer_params": params})
         assert_envelope(got.error, 502, got.status)
         assert got.error["code"] == "kv_auth_missing"
@@ -190,6 +193,31 @@ async def test_kv_requests_are_signed_when_a_secret_is_set(mesh: Mesh, variants)
                           json={"kv_transfer_params": params}) as resp:
             assert await resp.json() == {"released": True}
         await settle_to_zero(s, signed_prefill, signed_decode, mesh.decode.url, timeout=5.0)
+
+
+async def test_a_signed_prefill_hands_out_kv_only_to_signed_legs(variants) -> None:
+    """Regression ("the KV channel is open by default"): with a secret, a prefill leg that
+    the mesh's secret did not sign (any local process) gets no lease, and a signed leg
+    replayed as is gets none either; nothing is held after either refusal."""
+    signed_prefill = variants["signed_prefill"].url
+    leg = prefill_body(BODY, {"do_remote_decode": True})
+    async with aiohttp.ClientSession() as s:
+        unsigned = await post(s, signed_prefill + COMPLETIONS, leg)
+        assert_envelope(unsigned.error, 401, unsigned.status)
+        assert unsigned.error["code"] == "kv_leg_unsigned"
+        data, headers = signed_json(SECRET, COMPLETIONS, leg)
+        answers = []
+        for _ in range(2):  # the same signed bytes twice: the second is a replay
+            async with s.post(signed_prefill + COMPLETIONS, data=data, headers=headers) as r:
+                answers.append((r.status, await r.json()))
+        (first, lease), (second, replayed) = answers
+        assert first == 200 and "kv_transfer_params" in lease, lease
+        assert_envelope(replayed["error"], 401, second)
+        assert replayed["error"]["code"] == "kv_auth_replayed"
+        async with s.post(signed_prefill + "/v1/kv_transfer/abort",
+                          json={"kv_transfer_params": lease["kv_transfer_params"]}) as resp:
+            assert await resp.json() == {"released": True}
+        await settle_to_zero(s, signed_prefill, timeout=5.0)
 
 
 async def test_a_quantised_decode_is_refused_on_the_hash_naming_the_transform(mesh: Mesh,

@@ -7,6 +7,7 @@ import argparse
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -61,10 +62,11 @@ def test_the_validator_rejects_a_broken_file(tmp_path):
 
 
 def test_default_services_and_profiles():
-    assert sorted(_compose("config", "--services").stdout.split()) == ["decode", "prefill", "router"]
+    assert sorted(_compose("config", "--services").stdout.split()) == [
+        "decode", "kv-secret", "prefill", "router"]
     args = [a for p in ALL_PROFILES for a in ("--profile", p)]
     assert sorted(_compose(*args, "config", "--services").stdout.split()) == [
-        "decode", "loadgen", "prefill", "prefill-pp", "prometheus", "router"]
+        "decode", "kv-secret", "loadgen", "prefill", "prefill-pp", "prometheus", "router"]
 
 
 def test_conventions_no_version_healthchecks_and_gated_depends_on(resolved):
@@ -72,6 +74,9 @@ def test_conventions_no_version_healthchecks_and_gated_depends_on(resolved):
     assert "version" not in raw
     for name, svc in resolved["services"].items():
         for dep, cond in (svc.get("depends_on") or {}).items():
+            if resolved["services"][dep].get("restart") == "no":  # a one-shot init service
+                assert cond["condition"] == "service_completed_successfully", (name, dep)
+                continue
             assert cond["condition"] == "service_healthy", (name, dep)
             assert "healthcheck" in resolved["services"][dep], dep
         if "healthcheck" in svc:
@@ -80,7 +85,9 @@ def test_conventions_no_version_healthchecks_and_gated_depends_on(resolved):
 
 
 def _pdmesh_services(resolved: dict) -> dict:
-    return {n: s for n, s in resolved["services"].items() if s.get("image") == "pdmesh:latest"}
+    """The services that run a `pdmesh` command (the image's entrypoint, not overridden)."""
+    return {n: s for n, s in resolved["services"].items()
+            if s.get("image") == "pdmesh:latest" and not s.get("entrypoint")}
 
 
 def _serve_flags() -> set[str]:
@@ -218,3 +225,35 @@ def test_the_scaled_validator_rejects_a_fixed_container_name(tmp_path):
     override = _scale_override(tmp_path, extra="    container_name: pinned\n")
     proc = _compose_files(COMPOSE_FILE, override, args=("config", "--quiet"))
     assert proc.returncode != 0 and "container_name" in proc.stderr
+
+
+def test_every_mesh_process_gets_one_generated_kv_secret(resolved, tmp_path):
+    """No default secret in the file: the one-shot `kv-secret` service writes a random one
+    into a volume every worker and the router read (PDMESH_KV_SECRET_FILE), unless
+    PDMESH_KV_SECRET is set; its command, run here on a temporary path, makes a secret the
+    KV config accepts, and leaves an existing one alone."""
+    from services.kv_transfer.config import kv_secret_from_env
+
+    assert "change-me" not in COMPOSE_FILE.read_text()
+    services = resolved["services"]
+    init = services["kv-secret"]
+    mesh = {n: s for n, s in services.items() if n in ("router", "prefill", "decode", "prefill-pp")}
+    for name, svc in mesh.items():
+        env = svc["environment"]
+        assert env["PDMESH_KV_SECRET"] == "" and env["PDMESH_KV_SECRET_FILE"], name
+        mounts = {(v["source"], v["target"], v.get("read_only", False)) for v in svc["volumes"]}
+        assert ("kv-secret", str(Path(env["PDMESH_KV_SECRET_FILE"]).parent), True) in mounts
+        assert svc["depends_on"]["kv-secret"]["condition"] == "service_completed_successfully"
+    target = mesh["router"]["environment"]["PDMESH_KV_SECRET_FILE"]
+    assert {v["target"] for v in init["volumes"]} == {str(Path(target).parent)}
+    here = tmp_path / "kv_secret"
+    (code,) = init["command"]
+    assert init["entrypoint"] == ["python", "-c"]
+    run = [sys.executable, "-c", code.replace(target, str(here))]
+    subprocess.run(run, check=True, timeout=30)
+    secret = kv_secret_from_env({"PDMESH_KV_SECRET_FILE": str(here)})
+    assert secret is not None and len(secret) >= 32
+    subprocess.run(run, check=True, timeout=30)  # a restart keeps the mesh's secret
+    assert kv_secret_from_env({"PDMESH_KV_SECRET_FILE": str(here)}) == secret
+    other = kv_secret_from_env({"PDMESH_KV_SECRET": "x" * 20, "PDMESH_KV_SECRET_FILE": str(here)})
+    assert other == b"x" * 20  # the variable wins over the file

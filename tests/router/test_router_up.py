@@ -40,10 +40,11 @@ FAKE_UP = ("--model", "fake-model", "--prefill", "1", "--decode", "2", "--ready-
            "--grace", "5", "--serve-cmd", f"{sys.executable} {FAKE_SERVE}")
 
 
-def _start_up(port: int, *args: str, timeout: float = 60) -> tuple[subprocess.Popen, list[str]]:
+def _start_up(port: int, *args: str, timeout: float = 60,
+              env: dict[str, str] | None = None) -> tuple[subprocess.Popen, list[str]]:
     cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, env=env)
     lines: list[str] = []
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None
@@ -125,6 +126,39 @@ def test_up_serves_and_stops_every_child(sig):
 
     assert len(_chat(port, "up test", 3, "fake-model").split()) == 3
     _stop(proc, sig, pids)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw if item)
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def test_up_gives_its_mesh_one_generated_kv_secret_never_shown():
+    """Regression ("the KV channel is open by default"): with no PDMESH_KV_SECRET, `up` makes
+    one random secret and hands it to every child through the environment: the same for all,
+    on no command line, in no output line."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDMESH_KV_SECRET")}
+    port = free_port()
+    proc, lines = _start_up(port, *FAKE_UP, env=env)
+    pids = _child_pids(lines)
+    try:
+        secrets = {_environ(pid).get("PDMESH_KV_SECRET") for pid in pids}
+        (secret,) = secrets  # one value, shared by the router and every worker
+        assert secret is not None and re.fullmatch(r"[0-9a-f]{64}", secret)
+        assert any("generated a random KV secret" in line for line in lines)
+        assert all(secret not in _cmdline(pid) for pid in pids)
+        assert len(_chat(port, "up test", 3, "fake-model").split()) == 3
+    except BaseException:
+        proc.kill()
+        raise
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert secret not in out and all(secret not in line for line in lines)  # never printed
 
 
 def test_up_fails_fast_when_a_worker_cannot_start():

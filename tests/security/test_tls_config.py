@@ -115,18 +115,21 @@ def test_exposure_warning(caplog: pytest.LogCaptureFixture) -> None:
     assert exposure_warning("the router", "0.0.0.0", 8000, tls=True) is None
     plain = exposure_warning("the router", "0.0.0.0", 8000, tls=False)
     assert plain is not None and "plain HTTP" in plain and "0.0.0.0:8000" in plain
-    # A KV listener: with a secret, only the plain-HTTP risk; without, anyone can pull KV.
+    # A KV listener: with a secret, only the plain-HTTP risk; without, it serves loopback only.
     with_secret = exposure_warning("the KV-transfer service", "10.0.0.7", 14579, tls=False,
                                    kv_secret=True)
     assert with_secret is not None and "plain HTTP" in with_secret
     open_kv = exposure_warning("the KV-transfer service", "10.0.0.7", 14579, tls=False,
                                kv_secret=False)
-    assert open_kv is not None and "anyone on the network can pull prompt KV" in open_kv
+    assert open_kv is not None and "refuses every peer that is not on loopback" in open_kv
     assert "PDMESH_KV_SECRET" in open_kv
+    tls_no_secret = exposure_warning("the KV-transfer service", "10.0.0.7", 1, tls=True,
+                                     kv_secret=False)
+    assert tls_no_secret is not None and "not on loopback" in tls_no_secret
     assert exposure_warning("the KV-transfer service", "10.0.0.7", 1, tls=True,
-                            kv_secret=False) is None
+                            kv_secret=True) is None
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warned == [plain, with_secret, open_kv]
+    assert warned == [plain, with_secret, open_kv, tls_no_secret]
 
 
 async def test_kv_listener_warns_when_exposed(caplog: pytest.LogCaptureFixture) -> None:
@@ -136,7 +139,7 @@ async def test_kv_listener_warns_when_exposed(caplog: pytest.LogCaptureFixture) 
     caplog.set_level(logging.WARNING, logger="pdmesh.tls")
     node = await start_node("prefill", host="0.0.0.0")
     try:
-        assert any("anyone on the network can pull prompt KV" in r.getMessage()
+        assert any("refuses every peer that is not on loopback" in r.getMessage()
                    for r in caplog.records)
     finally:
         await node.runner.cleanup()

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
+from services.common.signing import signed_json
 from shared.protocol.pd import PrefillLegParams, PushDecodeParams, TransferMode
 
 # The real-model P/D checks (pd and pipeline tests): a chat and a long, chunked completion.
@@ -68,19 +70,23 @@ class Answer:
         return choice.get("text") if "text" in choice else choice["message"]["content"]
 
 
-async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Answer:
-    """POST a completion (JSON or SSE) and collect the answer. A worker that vanished
-    mid-request becomes a 502 envelope here, as the router reports it to its client."""
+async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+               secret: bytes | None = None) -> Answer:
+    """POST a completion (JSON or SSE) and collect the answer, signed with the mesh's KV
+    `secret` if given (as the router signs). A worker that vanished mid-request becomes a 502
+    envelope here, as the router reports it to its client."""
     try:
-        return await _post(session, url, body)
+        return await _post(session, url, body, secret)
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
         return Answer(502, {"error": {"message": f"upstream {url} failed: {exc!r}",
                                       "type": "server_error", "param": None,
                                       "code": "upstream_unreachable"}})
 
 
-async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Answer:
-    async with session.post(url, json=body) as resp:
+async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                secret: bytes | None) -> Answer:
+    data, headers = signed_json(secret, URL(url).path, body)
+    async with session.post(url, data=data, headers=headers) as resp:
         headers = {k.lower(): v for k, v in resp.headers.items()}
         if resp.content_type != "text/event-stream":
             return Answer(resp.status, await resp.json(), headers=headers)
@@ -98,15 +104,18 @@ def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]
 
 
 async def dispatch_pull(session: aiohttp.ClientSession, prefill: str, decode: str,
-                        path: str, body: dict[str, Any]) -> Answer:
-    """Prefill, then decode. A client gone after the prefill answered gets the prefill's lease
-    aborted (in the background: we are being cancelled), as a router does."""
-    pre = await post(session, prefill + path, prefill_body(body, PrefillLegParams().to_wire()))
+                        path: str, body: dict[str, Any], secret: bytes | None = None) -> Answer:
+    """Prefill, then decode (both legs signed with `secret`, if given, as the router signs).
+    A client gone after the prefill answered gets the prefill's lease aborted (in the
+    background: we are being cancelled), as a router does."""
+    pre = await post(session, prefill + path, prefill_body(body, PrefillLegParams().to_wire()),
+                     secret)
     if pre.status != 200:
         return pre
     params = pre.body["kv_transfer_params"]
     try:
-        answer = await post(session, decode + path, {**body, "kv_transfer_params": params})
+        answer = await post(session, decode + path, {**body, "kv_transfer_params": params},
+                            secret)
     except asyncio.CancelledError:
         _background(session.post(f"{prefill}/v1/kv_transfer/abort",
                                  json={"kv_transfer_params": params}))

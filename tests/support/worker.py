@@ -24,6 +24,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from services.common.limits import runner_options
 from services.worker.app import create_app
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient
@@ -82,7 +83,7 @@ async def wait_healthy(client: TestClient, timeout: float = 60.0) -> None:
 async def start_client(config: WorkerConfig, engine: EngineClient | None = None) -> TestClient:
     """A TestClient on a fresh app (fake engine if given, else the real factory); ready."""
     app = create_app(config, factory_for(engine) if engine is not None else None)
-    client = TestClient(TestServer(app, handler_cancellation=True))
+    client = TestClient(TestServer(app, handler_cancellation=True, **runner_options(app)))
     await client.start_server()
     await wait_healthy(client)
     return client
@@ -117,7 +118,8 @@ class WorkerThread:
         return self.config.tls.client_context() if self.config.tls.enabled else None
 
     async def _start(self) -> None:
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=1.0)
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=1.0,
+                                     **runner_options(self.app))
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port,
                            ssl_context=self.config.tls.server_context())
