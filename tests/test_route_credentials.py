@@ -53,6 +53,7 @@ REQUIRED: dict[str, dict[tuple[str, str], str]] = {
         ("POST", "/tokenize"): "api_key",
         ("POST", "/detokenize"): "api_key",
         ("GET", "/health"): "none",
+        ("GET", "/live"): "none",
         ("GET", "/metrics"): "none",
     },
     "kv": {
