@@ -18,12 +18,14 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from services.common.errors import AuthenticationError, error_middleware
 from services.common.lifecycle import LIFECYCLE_KEY, Lifecycle, readiness_middleware
 from services.common.middleware import ApiKeyAuth, api_prefix_predicate, install_request_id
+from services.common.openapi import openapi_route
 from services.router import admin, api
 from services.router.admission import Admission
 from services.router.config import RouterConfig
 from services.router.health import HealthChecker, Jobs
 from services.router.leases import LeaseReleaser
 from services.router.metrics import RouterMetrics
+from services.router.openapi import router_document
 from services.router.orchestrator import Orchestrator
 from services.router.pairing import Pairing
 from services.router.registry import WorkerRegistry
@@ -123,6 +125,7 @@ def create_app(config: RouterConfig) -> web.Application:
                                  pairing=Pairing(registry, config),
                                  admission=Admission(config.admission), metrics=metrics)
     app.add_routes([*api.routes(), *admin.routes(),
-                    web.get("/metrics", make_aiohttp_handler(metrics.registry))])
+                    web.get("/metrics", make_aiohttp_handler(metrics.registry)),
+                    openapi_route(router_document())])
     app.cleanup_ctx.extend([sessions_context, health_context])
     return app

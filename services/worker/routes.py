@@ -14,11 +14,14 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from services.common.errors import BadRequestError, ServiceUnavailableError
 from services.common.json_body import json_response, read_json_object
 from services.common.lifecycle import LIFECYCLE_KEY
+from services.common.openai_fields import DETOKENIZE, TOKENIZE
+from services.common.openapi import openapi_route
 from services.worker.chat_messages import parse_messages
 from services.worker.fields import Fields, invalid
 from services.worker.generation import ENGINE_FAILED
 from services.worker.metadata import build_metadata
 from services.worker.openai_protocol import parse_chat_request, parse_completion_request
+from services.worker.openapi import worker_document
 from services.worker.runtime import WorkerRuntime
 from services.worker.serving import GenerationService
 
@@ -76,22 +79,23 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     service = _service(request)
     f = Fields(body)
-    service.resolve_model(f.string("model", None))
+    service.resolve_model(f.read(TOKENIZE["model"]))
     builder = service.prompts
     text: str | None
-    if body.get("messages") is not None:
-        messages = list(parse_messages(body["messages"]))
-        text = builder.render_chat(messages, f.boolean("add_generation_prompt", True), None)
-        add_special = f.boolean("add_special_tokens", False)
+    add_special: bool | None = f.read(TOKENIZE["add_special_tokens"])
+    if f.has("messages"):
+        messages = list(parse_messages(f.read(TOKENIZE["messages"])))
+        text = builder.render_chat(messages, f.read(TOKENIZE["add_generation_prompt"]), None)
+        add_special = False if add_special is None else add_special
     else:
-        text = f.string("prompt", None)
+        text = f.read(TOKENIZE["prompt"])
         if text is None:
             raise BadRequestError("Either 'prompt' or 'messages' is required", param="prompt")
-        add_special = f.boolean("add_special_tokens", True)
+        add_special = True if add_special is None else add_special
     tokens = builder.encode(text, add_special, "messages" if "messages" in body else "prompt")
     result: dict[str, Any] = {"count": len(tokens), "max_model_len": builder.max_model_len,
                               "tokens": tokens}
-    if f.boolean("return_token_strs", False):
+    if f.read(TOKENIZE["return_token_strs"]):
         result["token_strs"] = [service.formatter.token_text(t) for t in tokens]
     return json_response(result)
 
@@ -100,11 +104,11 @@ async def detokenize(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     service = _service(request)
     f = Fields(body)
-    service.resolve_model(f.string("model", None))
+    service.resolve_model(f.read(DETOKENIZE["model"]))
     tokens = f.array("tokens")
     if tokens is None:
         raise invalid("tokens", "missing required field")
-    service.prompts.check_token_ids(f.int_list("tokens", 0, 2**63 - 1), "tokens")
+    service.prompts.check_token_ids(f.read(DETOKENIZE["tokens"]), "tokens")
     return json_response({"prompt": service.prompts.tokenizer.decode(tokens, skip_special_tokens=False)})
 
 
@@ -140,4 +144,5 @@ def routes(runtime: WorkerRuntime) -> list[web.AbstractRouteDef]:
         web.post("/detokenize", detokenize),
         web.get("/health", health),
         web.get("/metrics", make_aiohttp_handler(runtime.metrics.registry)),
+        openapi_route(worker_document()),
     ]

@@ -20,6 +20,7 @@ compile is found later, off the event loop (AsyncEngine.compile_grammar), also a
 from __future__ import annotations
 
 from services.common.errors import BadRequestError
+from services.common.openai_fields import RESPONSE_FORMATS
 from services.worker.fields import Fields, invalid
 from shared.engine.structured_spec import (
     InvalidStructuredOutput,
@@ -27,7 +28,6 @@ from shared.engine.structured_spec import (
     StructuredOutputSpec,
 )
 
-RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 IGNORED_STRUCTURED_OPTIONS = ("disable_fallback", "disable_any_whitespace",
                               "disable_additional_properties")
