@@ -33,6 +33,11 @@ ERROR_ENVELOPE: dict[str, Any] = {
                        "code": {"type": ["string", "integer", "null"]}}}}}
 
 TEXT = "text/plain"
+# One server-sent event (as schemathesis reads a stream): `data` is a chunk's JSON, an error
+# envelope, or "[DONE]" last.
+SSE_EVENT: dict[str, Any] = {"type": "object", "required": ["data"],
+                             "properties": {"data": {"type": "string"},
+                                            "event": {"type": "string"}}}
 
 
 def obj(*required: str) -> dict[str, Any]:
@@ -77,7 +82,7 @@ class Operation:
         answer = dict(self.answer) if self.answer is not None else {"type": "object"}
         content: dict[str, Any] = {self.media_type: {"schema": answer}}
         if self.streams:
-            content["text/event-stream"] = {"schema": {"type": "string"}}
+            content["text/event-stream"] = {"schema": SSE_EVENT}
         out: dict[str, Any] = {
             "summary": self.summary,
             "operationId": f"{self.method}_{self.path}".replace("/", "_").strip("_")
