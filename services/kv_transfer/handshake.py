@@ -296,7 +296,7 @@ def verify(secret: bytes, headers: Any, method: str, path: str, body: bytes,
                                   code="kv_auth_missing")
     try:
         skew = abs(time.time() - int(ts))
-    except ValueError:
+    except (ValueError, OverflowError):  # not an integer, or one past a float (400 digits)
         skew = float("inf")
     expected = _mac(secret, ts, method, path, (body,))
     if not hmac.compare_digest(expected, sig) or skew > max_skew_s:
