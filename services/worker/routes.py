@@ -6,6 +6,7 @@ handlers below can assume a loaded engine on every path the readiness gate guard
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from aiohttp import web
@@ -24,7 +25,9 @@ from services.worker.openai_protocol import parse_chat_request, parse_completion
 from services.worker.openapi import worker_document
 from services.worker.runtime import WorkerRuntime
 from services.worker.serving import GenerationService
+from shared.engine.stats import EngineStats
 
+MODEL_DEGRADED = "model_degraded"  # /health reason after non-finite logits
 RUNTIME_KEY = web.AppKey("worker_runtime", WorkerRuntime)
 STARTED_AT_KEY = web.AppKey("started_at", int)
 
@@ -115,7 +118,8 @@ async def detokenize(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     """200 once the model is loaded and warm and the engine is healthy; else 503 with an
     error envelope whose code is the reason (not_ready, draining, startup_failed,
-    engine_failed). Read-only: the engine's failure listener moves the lifecycle."""
+    engine_failed, model_degraded). Read-only: the engine's failure listener moves the
+    lifecycle."""
     lifecycle = request.app[LIFECYCLE_KEY]
     engine = request.app[RUNTIME_KEY].engine
     if not lifecycle.ready:
@@ -123,7 +127,22 @@ async def health(request: web.Request) -> web.Response:
     if engine is None or not engine.healthy:  # failed a moment ago: the listener is queued
         raise ServiceUnavailableError(f"The engine is not running: {engine and engine.failure}",
                                       code=ENGINE_FAILED, headers={"Retry-After": "1"})
+    check_logits(engine.stats(), request.app[RUNTIME_KEY].config.degraded_hold_seconds)
     return json_response({"status": "ok"})
+
+
+def check_logits(stats: EngineStats, hold_s: float) -> None:
+    """503 `model_degraded` for `hold_s` after the model produced NaN/inf logits (readiness
+    fails, so load balancers move traffic away; the engine itself still runs)."""
+    at = stats.non_finite_logits_at
+    if at is None:
+        return
+    age = time.monotonic() - at
+    if age < hold_s:
+        raise ServiceUnavailableError(
+            f"The model produced non-finite logits (NaN or inf) {age:.1f} s ago; "
+            f"{stats.num_non_finite_logits} requests failed so since start",
+            code=MODEL_DEGRADED, headers={"Retry-After": str(max(1, round(hold_s - age)))})
 
 
 async def metadata(request: web.Request) -> web.Response:
