@@ -12,6 +12,7 @@ failure reproduces.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,10 @@ def worker(tiny_dir: Path) -> Iterator[WorkerThread]:
     srv.stop()
 
 
-def fuzz(doc: dict[str, Any], base_url: str) -> None:
-    """Every operation of `doc`, in both generation modes; raises on the first failed check."""
+def fuzz(doc: dict[str, Any], base_url: str) -> Counter[int]:
+    """Every operation of `doc`, in both generation modes; raises on the first failed check.
+    Returns how many responses had each status."""
+    statuses: Counter[int] = Counter()
     schema = schemathesis.openapi.from_dict(doc)
     for result in schema.get_all_operations():
         operation = result.ok()
@@ -72,9 +75,11 @@ def fuzz(doc: dict[str, Any], base_url: str) -> None:
             @given(case=operation.as_strategy(generation_mode=mode))
             def one(case: Any) -> None:
                 response = case.call(base_url=base_url, timeout=60)
+                statuses[response.status_code] += 1
                 case.validate_response(response, checks=CHECKS)
 
             one()
+    return statuses
 
 
 async def greedy_text(session: aiohttp.ClientSession, url: str) -> list[int]:
@@ -87,7 +92,7 @@ async def greedy_text(session: aiohttp.ClientSession, url: str) -> list[int]:
 async def test_schemathesis_worker_and_router(worker: WorkerThread) -> None:
     async with aiohttp.ClientSession() as session:
         before = await greedy_text(session, worker.url)
-        await asyncio.to_thread(fuzz, worker_document(), worker.url)
+        on_worker = await asyncio.to_thread(fuzz, worker_document(), worker.url)
 
         router = TestServer(create_router(RouterConfig(mixed_urls=(worker.url,),
                                                        health_interval_s=0.2)), host="127.0.0.1")
@@ -99,7 +104,7 @@ async def test_schemathesis_worker_and_router(worker: WorkerThread) -> None:
                     if resp.status == 200:
                         break
                 await asyncio.sleep(0.05)
-            await asyncio.to_thread(fuzz, router_document(), base)
+            on_router = await asyncio.to_thread(fuzz, router_document(), base)
         finally:
             await router.close()
 
@@ -107,3 +112,5 @@ async def test_schemathesis_worker_and_router(worker: WorkerThread) -> None:
             assert resp.status == 200, await resp.text()
         await settle_to_zero(session, worker.url)
         assert await greedy_text(session, worker.url) == before
+    print(f"schemathesis statuses: worker {dict(on_worker)}, router {dict(on_router)}")
+    assert not [s for s in (on_worker + on_router) if s >= 500]
