@@ -4,7 +4,8 @@ For every registered message type: valid messages round-trip (bare, sealed in an
 as a frame header); truncated bytes, arbitrary bytes, wrong field types, unknown and missing
 fields, oversized headers and other protocol versions raise the codec's `ProtocolError` and
 no other exception. Against live KV services (a pull prefill and a push decode): the same
-bodies posted to every route get a 4xx with an error envelope (never a 5xx), HMAC-signed
+bodies posted to every route get a 4xx with an error envelope (never a 5xx; 413 past the
+body limit), HMAC-signed
 requests pass the signature check only when signed with the right secret over the exact
 bytes sent, and the services stay healthy with no block held.
 """
@@ -305,6 +306,9 @@ async def test_live_services_answer_4xx_to_every_malformed_body(live: tuple[Node
 
         for node, signed in ((prefill, False), (decode_node, True)):
             await asyncio.to_thread(poster(node, signed))
+        limit = prefill.service.config.max_chunk_bytes + MAX_HEADER_BYTES
+        for route in ("/kv/v1/pull", "/kv/v1/push/write"):  # oversized: refused, not read
+            assert await _post(session, prefill.url + route, b"\0" * (limit + 1)) == 413
         for node in (prefill, decode_node):
             async with session.get(node.url + "/kv/v1/info") as resp:
                 assert resp.status == 200
