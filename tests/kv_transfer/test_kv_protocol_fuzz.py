@@ -5,9 +5,8 @@ as a frame header); truncated bytes, arbitrary bytes, wrong field types, unknown
 fields, oversized headers and other protocol versions raise the codec's `ProtocolError` and
 no other exception. Against live KV services (a pull prefill and a push decode): the same
 bodies posted to every route get a 4xx with an error envelope (never a 5xx; 413 past the
-body limit), HMAC-signed
-requests pass the signature check only when signed with the right secret over the exact
-bytes sent, and the services stay healthy with no block held.
+body limit), HMAC-signed requests pass the signature check only when signed with the right
+secret over the exact bytes sent, and the services stay healthy with no block held.
 """
 
 from __future__ import annotations
