@@ -1,7 +1,8 @@
 """Fixtures shared by every test area: torch's thread count restored after each test, the
 embedded model's tokenizer directory, random-weight checkpoints written once per spec, and two
-broken-on-purpose ones: a padded vocabulary that emits ids the tokenizer cannot spell, and a
-model whose weights are all NaN.
+broken-on-purpose ones: a padded vocabulary that emits ids the tokenizer cannot spell, a
+model whose weights are all NaN, and one whose single weight is NaN (in one token's
+embedding row: only prompts holding that token get NaN logits).
 
 Engines in tests run on 1 thread (fast and stable on a busy 2-core box); EngineConfig's
 num_threads sets torch's process-wide count, so each test puts it back, and likewise the
@@ -79,6 +80,28 @@ def nan_ckpt(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.Temp
     for f in src.iterdir():
         if f.name == "model.safetensors":
             weights = {k: torch.full_like(v, float("nan")) for k, v in load_file(f).items()}
+            save_file(weights, str(out / f.name), metadata={"format": "pt"})
+        else:
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+NAN_TOKEN = 1000  # the token whose embedding holds the one NaN of `one_nan_ckpt`
+ONE_NAN = {"preset": "tiny", "seed": 0, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="session")
+def one_nan_ckpt(make_checkpoint: Callable[..., Path],
+                 tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`make_checkpoint(**ONE_NAN)` with embed_tokens[NAN_TOKEN, 0] = NaN: a prompt holding
+    that token gets NaN hidden states and logits; every other prompt is untouched (the head is
+    untied, so no logit column is NaN)."""
+    src = make_checkpoint(**ONE_NAN)
+    out = tmp_path_factory.mktemp("one-nan-ckpt")
+    for f in src.iterdir():
+        if f.name == "model.safetensors":
+            weights = load_file(f)
+            weights["model.embed_tokens.weight"][NAN_TOKEN, 0] = float("nan")
             save_file(weights, str(out / f.name), metadata={"format": "pt"})
         else:
             (out / f.name).write_bytes(f.read_bytes())

@@ -43,6 +43,7 @@ REQUIRED: dict[str, dict[tuple[str, str], str]] = {
         ("GET", "/health"): "none",
         ("GET", "/live"): "none",
         ("GET", "/metrics"): "none",
+        ("GET", "/openapi.json"): "none",
     },
     "worker": {
         ("POST", "/v1/completions"): "api_key",
@@ -55,6 +56,7 @@ REQUIRED: dict[str, dict[tuple[str, str], str]] = {
         ("GET", "/health"): "none",
         ("GET", "/live"): "none",
         ("GET", "/metrics"): "none",
+        ("GET", "/openapi.json"): "none",
     },
     "kv": {
         ("GET", "/kv/v1/info"): "none",

@@ -19,6 +19,7 @@ from services.common.errors import AuthenticationError, error_middleware
 from services.common.lifecycle import LIFECYCLE_KEY, Lifecycle, readiness_middleware
 from services.common.limits import install_limits, limits_middleware
 from services.common.middleware import ApiKeyAuth, api_prefix_predicate, install_request_id
+from services.common.openapi import openapi_route
 from services.router import admin, api
 from services.router.admission import Admission
 from services.router.config import RouterConfig
@@ -27,6 +28,7 @@ from services.router.discovery import DISCOVERY_KEY, DiscoveredWorkers, Discover
 from services.router.health import HealthChecker, Jobs
 from services.router.leases import LeaseReleaser
 from services.router.metrics import RouterMetrics
+from services.router.openapi import router_document
 from services.router.orchestrator import Orchestrator
 from services.router.pairing import Pairing
 from services.router.registry import WorkerRegistry
@@ -148,6 +150,7 @@ def create_app(config: RouterConfig, resolver: Resolver | None = None) -> web.Ap
                                  pairing=Pairing(registry, config),
                                  admission=Admission(config.admission), metrics=metrics)
     app.add_routes([*api.routes(), *admin.routes(),
-                    web.get("/metrics", make_aiohttp_handler(metrics.registry))])
+                    web.get("/metrics", make_aiohttp_handler(metrics.registry)),
+                    openapi_route(router_document())])
     app.cleanup_ctx.extend([sessions_context, health_context, discovery_context])
     return app

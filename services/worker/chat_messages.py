@@ -11,10 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.openai_fields import ROLES, TOOL_CHOICES
 from services.worker.fields import Fields, invalid, type_name
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
-TOOL_CHOICES = ("none", "auto", "required")
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,10 @@ class WorkerConfig:
     # After an engine failure: in-flight requests get this long to be answered, then the
     # process exits non-zero (for its supervisor to restart it).
     engine_failure_drain_seconds: float = 5.0
+    # /health answers 503 model_degraded for this long after the model produced NaN/inf
+    # logits (unless a later step sampled cleanly): load balancers move traffic away, and the
+    # worker is tried again after it (a one-off overflow must not take it out for good).
+    degraded_hold_seconds: float = 30.0
     served_model_names: tuple[str, ...] = ()
     kv: KVTransferConfig | None = None
     kv_load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.FAIL
@@ -111,6 +115,8 @@ class WorkerConfig:
             raise ValueError("drain_grace_seconds must be >= 0")
         if self.engine_failure_drain_seconds < 0:
             raise ValueError("engine_failure_drain_seconds must be >= 0")
+        if self.degraded_hold_seconds < 0:
+            raise ValueError("degraded_hold_seconds must be >= 0")
         if any(not key for key in self.api_keys):
             raise ValueError("API keys must be non-empty")
         ServerLimits(self.max_body_size, self.header_timeout_s, self.body_timeout_s)
@@ -187,6 +193,7 @@ class WorkerConfig:
             max_queue=args.max_queue,
             drain_grace_seconds=args.drain_grace_seconds,
             engine_failure_drain_seconds=args.engine_failure_drain_seconds,
+            degraded_hold_seconds=args.degraded_hold_seconds,
             served_model_names=tuple(args.served_model_name or ()),
             pipeline=pipeline,
             parsers=ParsersConfig.from_args(args, environ),
@@ -232,6 +239,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=w.engine_failure_drain_seconds,
                         help="after an engine failure: seconds to answer in-flight requests "
                              "before exiting non-zero")
+    parser.add_argument("--degraded-hold-seconds", type=float, default=w.degraded_hold_seconds,
+                        help="after NaN/inf logits: seconds /health answers 503 model_degraded")
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                      help="auto (default): bfloat16 where a native kernel tier (avx2 and up) "

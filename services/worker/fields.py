@@ -11,15 +11,20 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from services.common.errors import BadRequestError
+from services.common.schema import INT64_MAX, INT64_MIN, Field, Kind
 
 T = TypeVar("T")
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+__all__ = ["INT64_MAX", "INT64_MIN", "Fields", "invalid", "type_name"]
 
 
 def type_name(value: Any) -> str:
     names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null",
              int: "integer", float: "number"}
     return names.get(type(value), type(value).__name__)
+
+
+def _int(bound: float | None) -> int | None:
+    return None if bound is None else int(bound)
 
 
 def invalid(param: str, message: str) -> BadRequestError:
@@ -35,6 +40,27 @@ class Fields:
     def __init__(self, data: Mapping[str, Any], prefix: str = "") -> None:
         self.data = data
         self.prefix = prefix
+
+    def read(self, field: Field) -> Any:
+        """The member `field` describes, checked as its table says (its default if absent)."""
+        name, default, lo, hi = field.name, field.default, field.lo, field.hi
+        if field.kind is Kind.BOOLEAN:
+            return self.boolean(name, default)
+        if field.kind is Kind.INTEGER:
+            return self.integer(name, default, lo=_int(lo), hi=_int(hi))
+        if field.kind is Kind.NUMBER:
+            return self.number(name, default, lo=lo, hi=hi)
+        if field.kind is Kind.STRING:
+            return self.string(name, default)
+        if field.kind is Kind.CHOICE:
+            return self.choice(name, default, field.choices)
+        if field.kind is Kind.STRINGS:
+            return self.str_or_str_list(name)
+        if field.kind is Kind.INTEGERS:
+            return self.int_list(name, _int(lo) or 0, _int(hi) or INT64_MAX)
+        if field.kind is Kind.OBJECT:
+            return self.obj(name)
+        return self._raw(name)
 
     def _raw(self, name: str) -> Any:
         return self.data.get(name)

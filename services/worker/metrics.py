@@ -43,7 +43,9 @@ class EngineStatsCollector(Collector):
         c = [CounterMetricFamily(PREFIX + name, doc, labels=["model_name"]) for name, doc in (
             ("num_preemptions", "Cumulative number of preemptions from the engine."),
             ("prefix_cache_queries", "Prefix-cache queries, in tokens."),
-            ("prefix_cache_hits", "Prefix-cache hits, in tokens."))]
+            ("prefix_cache_hits", "Prefix-cache hits, in tokens."),
+            ("non_finite_logits", "Requests failed because the model produced NaN or "
+                                  "infinite logits."))]
         return g + c
 
     def describe(self) -> Iterator[Metric]:
@@ -56,7 +58,7 @@ class EngineStatsCollector(Collector):
         s = engine.stats()
         families = self._families()
         values = (s.num_running, s.num_waiting, s.kv_usage, s.num_preemptions,
-                  s.prefix_cache_queries, s.prefix_cache_hits)
+                  s.prefix_cache_queries, s.prefix_cache_hits, s.num_non_finite_logits)
         for family, value in zip(families, values, strict=True):
             family.add_metric([self._model], float(value))
             yield family

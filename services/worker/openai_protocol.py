@@ -13,19 +13,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import BadRequestError
+from services.common.openai_fields import (
+    CHAT,
+    COMMON,
+    COMPLETION,
+    MAX_CHAT_TOP_LOGPROBS,
+    MAX_CHOICES,
+    MAX_COMPLETION_LOGPROBS,
+    SAMPLING,
+    STREAM_OPTIONS,
+)
 from services.worker.chat_messages import ChatTools, parse_messages, parse_tools
-from services.worker.fields import INT64_MAX, INT64_MIN, Fields, invalid
+from services.worker.fields import Fields, invalid
 from services.worker.structured_output import one_constraint, parse_structured
 from services.worker.tool_constraints import tool_choice_spec
 from shared.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from shared.engine.structured_spec import StructuredOutputSpec
 
-MAX_CHOICES = 128  # n x number of prompts, per request
-MAX_COMPLETION_LOGPROBS = 5
-MAX_CHAT_TOP_LOGPROBS = 20
-
 # A completion prompt: text to tokenize, or token ids given by the client.
 Prompt = str | tuple[int, ...]
+__all__ = ["MAX_CHAT_TOP_LOGPROBS", "MAX_CHOICES", "MAX_COMPLETION_LOGPROBS"]  # re-exported
 
 
 @dataclass(frozen=True)
@@ -99,36 +106,21 @@ class ChatRequest:
 
 
 def parse_sampling(f: Fields) -> SamplingFields:
-    return SamplingFields(
-        n=f.integer("n", 1, lo=1, hi=MAX_CHOICES),
-        temperature=f.number("temperature", 1.0, lo=0.0),
-        top_p=f.number("top_p", 1.0),
-        top_k=f.integer("top_k", 0, lo=-1, hi=INT64_MAX),
-        min_p=f.number("min_p", 0.0),
-        seed=f.integer("seed", None, lo=INT64_MIN, hi=INT64_MAX),
-        presence_penalty=f.number("presence_penalty", 0.0),
-        frequency_penalty=f.number("frequency_penalty", 0.0),
-        repetition_penalty=f.number("repetition_penalty", 1.0),
-        min_tokens=f.integer("min_tokens", 0, lo=0, hi=INT64_MAX),
-        stop=f.str_or_str_list("stop"),
-        stop_token_ids=f.int_list("stop_token_ids", 0, INT64_MAX),
-        ignore_eos=f.boolean("ignore_eos", False),
-        skip_special_tokens=f.boolean("skip_special_tokens", True),
-        include_stop_str_in_output=f.boolean("include_stop_str_in_output", False),
-    )
+    """Every member of the SAMPLING table, by the table's own types and bounds."""
+    return SamplingFields(**{field.name: f.read(field) for field in SAMPLING})
 
 
 def parse_common(f: Fields, tool_spec: StructuredOutputSpec | None = None) -> CommonFields:
     """The shared fields; `tool_spec` is the constraint of a chat request's tool_choice."""
-    model = f.string("model", None)
-    stream = f.boolean("stream", False)
-    options = f.obj("stream_options")
+    model = f.read(COMMON["model"])
+    stream = f.read(COMMON["stream"])
+    options = f.read(COMMON["stream_options"])
     if options is not None and not stream:
         raise invalid("stream_options", "only allowed when 'stream' is true")
-    include_usage = options.boolean("include_usage", False) if options else False
+    include_usage = options.read(STREAM_OPTIONS["include_usage"]) if options else False
     if options is not None:
-        options.boolean("continuous_usage_stats", False)  # accepted, not implemented
-    logit_bias = f.obj("logit_bias")
+        options.read(STREAM_OPTIONS["continuous_usage_stats"])  # accepted, not implemented
+    logit_bias = f.obj(COMMON["logit_bias"].name)
     if logit_bias is not None and logit_bias.data:
         raise invalid("logit_bias", "logit_bias is not supported")
     structured = one_constraint(parse_structured(f), tool_spec)
@@ -137,7 +129,7 @@ def parse_common(f: Fields, tool_spec: StructuredOutputSpec | None = None) -> Co
         sampling=dataclasses.replace(parse_sampling(f), structured=structured),
         stream=stream,
         include_usage=include_usage,
-        return_token_ids=f.boolean("return_token_ids", False),
+        return_token_ids=f.read(COMMON["return_token_ids"]),
     )
 
 
@@ -169,16 +161,16 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     common = parse_common(f)
     if len(prompts) * common.sampling.n > MAX_CHOICES:
         raise invalid("n", f"n times the number of prompts must be <= {MAX_CHOICES}")
-    if f.has("suffix"):
+    if f.has(COMPLETION["suffix"].name):
         raise invalid("suffix", "suffix is not supported")
-    echo = f.boolean("echo", False)
-    logprobs = f.integer("logprobs", None, lo=0, hi=MAX_COMPLETION_LOGPROBS)
+    echo = f.read(COMPLETION["echo"])
+    logprobs = f.read(COMPLETION["logprobs"])
     if echo and logprobs is not None:
         raise invalid("echo", "echo together with logprobs (prompt logprobs) is not supported")
     return CompletionRequest(
         common=common,
         prompts=prompts,
-        max_tokens=f.integer("max_tokens", 16, lo=1, hi=INT64_MAX),
+        max_tokens=f.read(COMPLETION["max_tokens"]),
         echo=echo,
         logprobs=logprobs,
     )
@@ -189,11 +181,12 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     messages = parse_messages(body.get("messages"))
     tools = parse_tools(f)
     common = parse_common(f, tool_choice_spec(tools))
-    legacy_max = f.integer("max_tokens", None, lo=1, hi=INT64_MAX)  # type-checked even if unused
+    legacy_max = f.read(CHAT["max_tokens"])  # type-checked even if unused
     max_tokens_param = "max_completion_tokens" if f.has("max_completion_tokens") else "max_tokens"
-    max_tokens = f.integer("max_completion_tokens", legacy_max, lo=1, hi=INT64_MAX)
-    logprobs = f.boolean("logprobs", False)
-    top_logprobs = f.integer("top_logprobs", None, lo=0, hi=MAX_CHAT_TOP_LOGPROBS)
+    max_tokens = f.read(CHAT["max_completion_tokens"])
+    max_tokens = legacy_max if max_tokens is None else max_tokens
+    logprobs = f.read(CHAT["logprobs"])
+    top_logprobs = f.read(CHAT["top_logprobs"])
     if top_logprobs is not None and not logprobs:
         raise invalid("top_logprobs", "requires 'logprobs' to be true")
     return ChatRequest(
@@ -204,5 +197,5 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         max_tokens_param=max_tokens_param,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
-        add_generation_prompt=f.boolean("add_generation_prompt", True),
+        add_generation_prompt=f.read(CHAT["add_generation_prompt"]),
     )

@@ -6,6 +6,7 @@ handlers below can assume a loaded engine on every path the readiness gate guard
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from aiohttp import web
@@ -14,15 +15,20 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from services.common.errors import BadRequestError, ServiceUnavailableError
 from services.common.json_body import json_response, read_json_object
 from services.common.lifecycle import LIFECYCLE_KEY
+from services.common.openai_fields import DETOKENIZE, TOKENIZE
+from services.common.openapi import openapi_route
 from services.worker.chat_messages import parse_messages
 from services.worker.fields import Fields, invalid
 from services.worker.generation import ENGINE_FAILED
 from services.worker.leg_auth import is_trusted_leg_caller
 from services.worker.metadata import build_metadata
 from services.worker.openai_protocol import parse_chat_request, parse_completion_request
+from services.worker.openapi import worker_document
 from services.worker.runtime import WorkerRuntime
 from services.worker.serving import GenerationService
+from shared.engine.stats import EngineStats
 
+MODEL_DEGRADED = "model_degraded"  # /health reason after non-finite logits
 RUNTIME_KEY = web.AppKey("worker_runtime", WorkerRuntime)
 STARTED_AT_KEY = web.AppKey("started_at", int)
 
@@ -77,22 +83,23 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     service = _service(request)
     f = Fields(body)
-    service.resolve_model(f.string("model", None))
+    service.resolve_model(f.read(TOKENIZE["model"]))
     builder = service.prompts
     text: str | None
-    if body.get("messages") is not None:
-        messages = list(parse_messages(body["messages"]))
-        text = builder.render_chat(messages, f.boolean("add_generation_prompt", True), None)
-        add_special = f.boolean("add_special_tokens", False)
+    add_special: bool | None = f.read(TOKENIZE["add_special_tokens"])
+    if f.has("messages"):
+        messages = list(parse_messages(f.read(TOKENIZE["messages"])))
+        text = builder.render_chat(messages, f.read(TOKENIZE["add_generation_prompt"]), None)
+        add_special = False if add_special is None else add_special
     else:
-        text = f.string("prompt", None)
+        text = f.read(TOKENIZE["prompt"])
         if text is None:
             raise BadRequestError("Either 'prompt' or 'messages' is required", param="prompt")
-        add_special = f.boolean("add_special_tokens", True)
+        add_special = True if add_special is None else add_special
     tokens = builder.encode(text, add_special, "messages" if "messages" in body else "prompt")
     result: dict[str, Any] = {"count": len(tokens), "max_model_len": builder.max_model_len,
                               "tokens": tokens}
-    if f.boolean("return_token_strs", False):
+    if f.read(TOKENIZE["return_token_strs"]):
         result["token_strs"] = [service.formatter.token_text(t) for t in tokens]
     return json_response(result)
 
@@ -101,18 +108,19 @@ async def detokenize(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     service = _service(request)
     f = Fields(body)
-    service.resolve_model(f.string("model", None))
+    service.resolve_model(f.read(DETOKENIZE["model"]))
     tokens = f.array("tokens")
     if tokens is None:
         raise invalid("tokens", "missing required field")
-    service.prompts.check_token_ids(f.int_list("tokens", 0, 2**63 - 1), "tokens")
+    service.prompts.check_token_ids(f.read(DETOKENIZE["tokens"]), "tokens")
     return json_response({"prompt": service.prompts.tokenizer.decode(tokens, skip_special_tokens=False)})
 
 
 async def health(request: web.Request) -> web.Response:
     """200 once the model is loaded and warm and the engine is healthy; else 503 with an
     error envelope whose code is the reason (not_ready, draining, startup_failed,
-    engine_failed). Read-only: the engine's failure listener moves the lifecycle."""
+    engine_failed, model_degraded). Read-only: the engine's failure listener moves the
+    lifecycle."""
     lifecycle = request.app[LIFECYCLE_KEY]
     engine = request.app[RUNTIME_KEY].engine
     if not lifecycle.ready:
@@ -120,6 +128,7 @@ async def health(request: web.Request) -> web.Response:
     if engine is None or not engine.healthy:  # failed a moment ago: the listener is queued
         raise ServiceUnavailableError(f"The engine is not running: {engine and engine.failure}",
                                       code=ENGINE_FAILED, headers={"Retry-After": "1"})
+    check_logits(engine.stats(), request.app[RUNTIME_KEY].config.degraded_hold_seconds)
     return json_response({"status": "ok"})
 
 
@@ -127,6 +136,20 @@ async def live(request: web.Request) -> web.Response:
     """Liveness: 200 while the event loop answers, whatever the engine's state (a loading or
     draining worker is alive; /health is the readiness check)."""
     return json_response({"status": "alive"})
+
+
+def check_logits(stats: EngineStats, hold_s: float) -> None:
+    """503 `model_degraded` for `hold_s` after the model produced NaN/inf logits (readiness
+    fails, so load balancers move traffic away; the engine itself still runs)."""
+    at = stats.non_finite_logits_at
+    if at is None:
+        return
+    age = time.monotonic() - at
+    if age < hold_s:
+        raise ServiceUnavailableError(
+            f"The model produced non-finite logits (NaN or inf) {age:.1f} s ago; "
+            f"{stats.num_non_finite_logits} requests failed so since start",
+            code=MODEL_DEGRADED, headers={"Retry-After": str(max(1, round(hold_s - age)))})
 
 
 async def metadata(request: web.Request) -> web.Response:
@@ -148,4 +171,5 @@ def routes(runtime: WorkerRuntime) -> list[web.AbstractRouteDef]:
         web.get("/health", health),
         web.get("/live", live),
         web.get("/metrics", make_aiohttp_handler(runtime.metrics.registry)),
+        openapi_route(worker_document()),
     ]

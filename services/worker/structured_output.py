@@ -20,6 +20,7 @@ compile is found later, off the event loop (AsyncEngine.compile_grammar), also a
 from __future__ import annotations
 
 from services.common.errors import BadRequestError
+from services.common.openai_fields import RESPONSE_FORMATS, STRUCTURED
 from services.worker.fields import Fields, invalid
 from shared.engine.structured_spec import (
     InvalidStructuredOutput,
@@ -27,7 +28,6 @@ from shared.engine.structured_spec import (
     StructuredOutputSpec,
 )
 
-RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 IGNORED_STRUCTURED_OPTIONS = ("disable_fallback", "disable_any_whitespace",
                               "disable_additional_properties")
@@ -99,8 +99,8 @@ def parse_structured_outputs(f: Fields) -> StructuredOutputSpec | None:
 
 
 def parse_guided(f: Fields) -> list[StructuredOutputSpec]:
-    f.string("guided_decoding_backend", None)
-    f.string("guided_whitespace_pattern", None)
+    f.read(STRUCTURED["guided_decoding_backend"])  # accepted, ignored
+    f.read(STRUCTURED["guided_whitespace_pattern"])
     return [spec_for(kind, f.data[name], name) for name, kind in GUIDED_KINDS.items()
             if f.has(name)]
 

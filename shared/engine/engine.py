@@ -33,7 +33,7 @@ from shared.model.quant import QuantConfig, QuantMethod
 from shared.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-NON_FINITE_LOGITS = "the model produced NaN or infinite logits for this request"
+NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this request"
 
 
 class LLMEngine:
@@ -294,12 +294,15 @@ class LLMEngine:
     # ---- misc ------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         kv = self.kv
+        guard = self.runner.logits_guard if isinstance(self.runner, ModelRunner) else None
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_blocks,
             kv_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
-            block_size=kv.block_size, num_held_blocks=kv.num_held_blocks)
+            block_size=kv.block_size, num_held_blocks=kv.num_held_blocks,
+            num_non_finite_logits=guard.num_non_finite if guard else 0,
+            non_finite_logits_at=guard.last_non_finite_at if guard else None)
 
     def warmup(self) -> None:
         """Run one short request through every component, then forget it (cache, counters)."""
@@ -310,6 +313,10 @@ class LLMEngine:
             self.step()
         self.kv.reset_prefix_cache()
         self.scheduler.num_preemptions = 0
+        if isinstance(self.runner, ModelRunner) and self.runner.logits_guard.reset():
+            log.warning("the warm-up request got NaN or infinite logits: the weights may be "
+                        "broken (%s); every request will fail until they are fixed",
+                        self.model_dir or self.config.model)
 
 
 def apply_kernel_tier(config: EngineConfig) -> None:

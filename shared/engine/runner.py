@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from shared.config import EngineConfig
+from shared.engine.logits_guard import LogitsGuard
 from shared.engine.outputs import TokenLogprob
 from shared.engine.sampler import Sampler, SamplingTensors
 from shared.engine.scheduler import ScheduledBatch
@@ -107,6 +108,7 @@ class ModelRunner:
         # poison the softmax-weighted sum even where the mask gives weight 0.
         self.kv_cache = torch.zeros(geometry.cache_shape(self.num_blocks), dtype=geometry.dtype)
         self.sampler = Sampler(config.seed)
+        self.logits_guard = LogitsGuard()
         # Test-only: when set, called with every batch before its forward, on the engine
         # thread. What it raises escapes the engine step exactly as a model failure would, so
         # tests can inject one without patching internals. Always None in production.
@@ -134,12 +136,8 @@ class ModelRunner:
             return RunnerOutput(tokens, logprobs)
         last = (ends - 1)[rows] if len(rows) < len(reqs) else ends - 1
         logits = self.model.compute_logits(hidden[last])  # [R, V] fp32
-        # NaN/inf logits (broken weights, an overflow) have no distribution to sample from:
-        # those rows are sampled from zeros to keep the batch's tensors finite, and dropped.
-        bad = (~torch.isfinite(logits)).any(dim=1)  # [R] bool
-        bad_rows = bad.nonzero()[:, 0].tolist() if bool(bad.any()) else []
-        if bad_rows:
-            logits = logits.masked_fill(bad[:, None], 0.0)
+        checked = self.logits_guard.check(logits)  # NaN/inf rows: sampled from zeros, dropped
+        logits, bad_rows = checked.logits, checked.bad_rows
         out = self.sampler(logits, SamplingTensors.from_requests([reqs[i] for i in rows],
                                                                   logits.shape[1]))
         for j, i in enumerate(rows):

@@ -23,3 +23,7 @@ class EngineStats:
     num_preemptions: int
     block_size: int
     num_held_blocks: int
+    # Requests failed because the model produced NaN/inf logits (shared/engine/logits_guard.py),
+    # and the monotonic time of the latest (None if none since the last clean sampling step).
+    num_non_finite_logits: int = 0
+    non_finite_logits_at: float | None = None

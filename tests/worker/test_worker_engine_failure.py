@@ -7,8 +7,10 @@
   failed at once (streams: an error event, then [DONE]; others: a 500 envelope naming the
   request id), later ones get 503 at once, /health and /v1/metadata answer 503
   `engine_failed`, and the process exits 1 after the drain, logging one traceback.
-- NaN weights with sampling on: a clear per-request 500, no hang, and /health stays 200
-  because the engine itself still runs.
+- NaN weights: a clear per-request 500 (or in-stream error) naming non-finite logits, no
+  hang, the failures counted in /metrics, and /health 503 `model_degraded` for the hold (the
+  engine itself still runs); one NaN weight fails only the prompts that meet it, and a clean
+  request (equal to the clean model offline) brings /health back.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from shared.engine import LLM, SamplingParams
 from shared.engine.engine import NON_FINITE_LOGITS
 from shared.engine.scheduler import ScheduledBatch
 from shared.model.make_model import VOCAB_SIZE
+from tests.conftest import NAN_TOKEN, ONE_NAN
 from tests.support.net import free_port
 from tests.support.sse import split_events
 from tests.support.worker import start_client, wait_ready, worker_config
@@ -202,23 +205,90 @@ async def test_engine_failure_ends_the_process_with_status_1(make_checkpoint, ca
 
 
 # ---- NaN weights ----------------------------------------------------------------------------
+def non_finite_count(metrics_text: str) -> float:
+    for line in metrics_text.splitlines():
+        if line.startswith("pdmesh:non_finite_logits_total{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("pdmesh:non_finite_logits_total is not exported")
+
+
+async def assert_degraded(client: TestClient) -> None:
+    health = await client.get("/health")
+    err = await error_of(health, 503)
+    assert err["code"] == "model_degraded" and "non-finite logits" in err["message"]
+    assert int(health.headers["Retry-After"]) >= 1
+
+
+async def assert_no_blocks(client: TestClient) -> None:
+    meta = await (await client.get("/v1/metadata")).json()
+    assert meta["load"]["num_running"] == 0 and meta["kv_cache"]["num_used_blocks"] == 0
+
+
 async def test_nan_weights_over_http(nan_ckpt: Path) -> None:
-    client = await real_client(nan_ckpt)
+    """Regression ("NaN weights answer 200 with garbage"): every request ends with an error
+    naming non-finite logits, streaming or not, with no hang; the failures are counted in
+    /metrics; /health reports the model degraded; no block is held."""
+    client = await real_client(nan_ckpt, degraded_hold_seconds=600.0)
     try:
+        assert non_finite_count(await (await client.get("/metrics")).text()) == 0
         sampling = {"model": MODEL, "prompt": "hello", "max_tokens": 16, "temperature": 0.8,
                     "top_p": 0.9, "seed": 7}
-        for _ in range(2):  # the engine keeps answering
-            resp = await asyncio.wait_for(client.post("/v1/completions", json=sampling), BOUND_S)
+        for body in (sampling, {**sampling, "temperature": 0}):  # the engine keeps answering
+            resp = await asyncio.wait_for(client.post("/v1/completions", json=body), BOUND_S)
             err = await error_of(resp, 500)
             assert err["code"] == "engine_error" and NON_FINITE_LOGITS in err["message"]
+        for path, body in (("/v1/completions", sampling), ("/v1/chat/completions", {
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4})):
+            resp = await asyncio.wait_for(client.post(path, json={**body, "stream": True}),
+                                          BOUND_S)
+            events = split_events(await resp.read())
+            assert events[-1] == b"[DONE]"
+            assert NON_FINITE_LOGITS in json.loads(events[-2])["error"]["message"]
+        await assert_degraded(client)
+        assert non_finite_count(await (await client.get("/metrics")).text()) == 4
+        await assert_no_blocks(client)
+    finally:
+        await client.close()
+
+
+async def test_one_nan_weight_fails_only_its_requests_and_health_recovers(
+        one_nan_ckpt: Path, make_checkpoint) -> None:
+    """A prompt holding the NaN token fails (500 / in-stream error); /health says degraded
+    until a clean request has been sampled, whose tokens equal the clean model's offline."""
+    client = await real_client(one_nan_ckpt, degraded_hold_seconds=600.0)
+    try:
+        bad = {"model": MODEL, "prompt": [5, 6, NAN_TOKEN, 8], "max_tokens": 6, "temperature": 0}
+        resp = await asyncio.wait_for(client.post("/v1/completions", json=bad), BOUND_S)
+        assert NON_FINITE_LOGITS in (await error_of(resp, 500))["message"]
+        await assert_degraded(client)
         resp = await asyncio.wait_for(client.post("/v1/completions", json={
-            **sampling, "stream": True}), BOUND_S)
+            **bad, "stream": True}), BOUND_S)
         events = split_events(await resp.read())
-        assert events[-1] == b"[DONE]"
-        assert NON_FINITE_LOGITS in json.loads(events[-2])["error"]["message"]
-        health = await client.get("/health")
-        assert health.status == 200  # true: the engine runs; this model's logits are NaN
-        meta = await (await client.get("/v1/metadata")).json()
-        assert meta["load"]["num_running"] == 0 and meta["kv_cache"]["num_used_blocks"] == 0
+        assert events[-1] == b"[DONE]" and NON_FINITE_LOGITS in events[-2].decode()
+        await assert_degraded(client)
+
+        good = {**bad, "prompt": [5, 6, 7, 8], "return_token_ids": True}
+        resp = await asyncio.wait_for(client.post("/v1/completions", json=good), BOUND_S)
+        assert resp.status == 200, await resp.text()
+        got = (await resp.json())["choices"][0]["token_ids"]
+        clean = LLM(model=str(make_checkpoint(**ONE_NAN)), dtype="float32", num_threads=1,
+                    kv_cache_memory_bytes=1 << 20)
+        want = clean.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6))
+        assert got == want[0].outputs[0].token_ids
+        assert (await client.get("/health")).status == 200  # a clean step since
+        assert non_finite_count(await (await client.get("/metrics")).text()) == 2
+        await assert_no_blocks(client)
+    finally:
+        await client.close()
+
+
+async def test_degraded_hold_zero_keeps_health_200(one_nan_ckpt: Path) -> None:
+    client = await real_client(one_nan_ckpt, degraded_hold_seconds=0.0)
+    try:
+        bad = {"model": MODEL, "prompt": [NAN_TOKEN, 6], "max_tokens": 3, "temperature": 0}
+        resp = await asyncio.wait_for(client.post("/v1/completions", json=bad), BOUND_S)
+        await error_of(resp, 500)
+        assert (await client.get("/health")).status == 200
     finally:
         await client.close()

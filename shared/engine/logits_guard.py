@@ -1,0 +1,54 @@
+"""LogitsGuard: finds the rows of a step's logits that hold NaN or inf, cheaply.
+
+Broken weights (a NaN in a checkpoint, a bad quantisation) or an overflow give logits with no
+distribution to sample from; sampling them anyway answers garbage with status 200 (token 0
+repeated, every logprob at the floor). The guard runs on every step that samples: one
+`isfinite(...).all()` reduction over the step's [R, V] logits, and only when that fails a
+per-row pass to name the rows. Those rows are filled with zeros (so the batch's sampler
+tensors stay finite) and the engine fails exactly those requests.
+
+It also keeps what /metrics and /health report: how many requests failed so, and when the
+latest did (None again once a later step sampled only finite logits: the model is usable).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CheckedLogits:
+    """`logits` [R, V] safe to sample; `bad_rows` (indices into R) must not be used."""
+
+    logits: torch.Tensor
+    bad_rows: tuple[int, ...]
+
+
+class LogitsGuard:
+    """Checks each step's logits for non-finite values; counts the requests it failed."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.num_non_finite = 0  # requests failed for non-finite logits, since start
+        self.last_non_finite_at: float | None = None  # clock time; None once a step is clean
+
+    def check(self, logits: torch.Tensor) -> CheckedLogits:
+        """logits [R, V] fp32 -> the same tensor when all finite (one reduction, no copy),
+        else a copy with the bad rows zeroed and their indices."""
+        if bool(torch.isfinite(logits).all()):
+            self.last_non_finite_at = None
+            return CheckedLogits(logits, ())
+        bad = ~torch.isfinite(logits).all(dim=1)  # [R] bool
+        rows = tuple(bad.nonzero()[:, 0].tolist())
+        self.num_non_finite += len(rows)
+        self.last_non_finite_at = self._clock()
+        return CheckedLogits(logits.masked_fill(bad[:, None], 0.0), rows)
+
+    def reset(self) -> int:
+        """Forget the counts (after the warm-up request); returns how many there were."""
+        count, self.num_non_finite, self.last_non_finite_at = self.num_non_finite, 0, None
+        return count
