@@ -71,7 +71,7 @@ class HealthChecker:
         except MetadataError as exc:
             worker.mark_unhealthy(f"metadata: {exc}")
             return
-        problem = self.problem(md, worker.declared_role, worker.url)
+        problem = self.problem(md, worker.declared_role, worker.url) or md.not_serving
         if problem is not None:
             worker.mark_unhealthy(problem)
             return

@@ -87,6 +87,9 @@ class WorkerMetadata:
     # The reasoning parser its chat output is read with (None: plain text). A decode that parses
     # may hold the prefill's first token back, so the router sends nothing early to it.
     reasoning_parser: str | None = None
+    # Why the worker says it should get no traffic now (its `health.status`, e.g.
+    # "model_degraded" after NaN logits), or None while it is ok.
+    not_serving: str | None = None
 
     @staticmethod
     def parse(doc: Mapping[str, Any]) -> WorkerMetadata:
@@ -144,7 +147,14 @@ class WorkerMetadata:
             waiting=int(_get(doc, "load.num_waiting", "load.waiting", default=0)),
             kernels=dict(_get(doc, "kernels", default={})),
             reasoning_parser=_get(doc, "parsers.reasoning_parser") or None,
+            not_serving=_not_serving(_get(doc, "health.status"), _get(doc, "health.reason")),
         )
+
+
+def _not_serving(status: Any, reason: Any) -> str | None:
+    if status in (None, "ok"):
+        return None
+    return f"{status}: {reason}" if reason else str(status)
 
 
 @dataclass

@@ -138,25 +138,36 @@ async def live(request: web.Request) -> web.Response:
     return json_response({"status": "alive"})
 
 
+def degraded_for(stats: EngineStats, hold_s: float) -> float | None:
+    """Seconds left of the `model_degraded` hold after NaN/inf logits, or None."""
+    at = stats.non_finite_logits_at
+    if at is None or time.monotonic() - at >= hold_s:
+        return None
+    return hold_s - (time.monotonic() - at)
+
+
 def check_logits(stats: EngineStats, hold_s: float) -> None:
     """503 `model_degraded` for `hold_s` after the model produced NaN/inf logits (readiness
     fails, so load balancers move traffic away; the engine itself still runs)."""
-    at = stats.non_finite_logits_at
-    if at is None:
-        return
-    age = time.monotonic() - at
-    if age < hold_s:
+    left = degraded_for(stats, hold_s)
+    if left is not None:
         raise ServiceUnavailableError(
-            f"The model produced non-finite logits (NaN or inf) {age:.1f} s ago; "
+            f"The model produced non-finite logits (NaN or inf) {hold_s - left:.1f} s ago; "
             f"{stats.num_non_finite_logits} requests failed so since start",
-            code=MODEL_DEGRADED, headers={"Retry-After": str(max(1, round(hold_s - age)))})
+            code=MODEL_DEGRADED, headers={"Retry-After": str(max(1, round(left)))})
 
 
 async def metadata(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME_KEY]
     service = _service(request)
-    return json_response(build_metadata(runtime.config, service.engine, runtime.admission.active,
-                                        runtime.kv_link))
+    doc = build_metadata(runtime.config, service.engine, runtime.admission.active,
+                         runtime.kv_link)
+    # A router reads only this document: it must see a degraded model as /health does.
+    left = degraded_for(service.engine.stats(), runtime.config.degraded_hold_seconds)
+    doc["health"] = ({"status": "ok"} if left is None else
+                     {"status": MODEL_DEGRADED, "reason": "non-finite logits (NaN or inf)",
+                      "retry_after_s": round(left, 1)})
+    return json_response(doc)
 
 
 def routes(runtime: WorkerRuntime) -> list[web.AbstractRouteDef]:

@@ -27,6 +27,7 @@ from aiohttp.test_utils import TestClient
 
 from services.common.lifecycle import LIFECYCLE_KEY, ServiceState
 from services.common.runner import serve_until_signalled
+from services.router.workers import WorkerMetadata
 from services.worker.app import create_app
 from services.worker.routes import RUNTIME_KEY
 from shared.config import EngineConfig
@@ -217,6 +218,10 @@ async def assert_degraded(client: TestClient) -> None:
     err = await error_of(health, 503)
     assert err["code"] == "model_degraded" and "non-finite logits" in err["message"]
     assert int(health.headers["Retry-After"]) >= 1
+    # The router reads /v1/metadata only: it says the same, so the router routes around it.
+    meta = await (await client.get("/v1/metadata")).json()
+    assert meta["health"]["status"] == "model_degraded" and meta["health"]["retry_after_s"] > 0
+    assert WorkerMetadata.parse(meta).not_serving == "model_degraded: non-finite logits (NaN or inf)"
 
 
 async def assert_no_blocks(client: TestClient) -> None:
@@ -277,6 +282,8 @@ async def test_one_nan_weight_fails_only_its_requests_and_health_recovers(
         want = clean.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6))
         assert got == want[0].outputs[0].token_ids
         assert (await client.get("/health")).status == 200  # a clean step since
+        meta = await (await client.get("/v1/metadata")).json()
+        assert meta["health"] == {"status": "ok"} and WorkerMetadata.parse(meta).not_serving is None
         assert non_finite_count(await (await client.get("/metrics")).text()) == 2
         await assert_no_blocks(client)
     finally:
