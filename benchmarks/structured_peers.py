@@ -224,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             servers[name] = ps.RunningServer(spec, args.cache / "logs", ROOT)
         for server in servers.values():
             server.wait_ready(args.start_timeout)
+            idle = ps.idle_cpu_percent(server)
+            note = "  WARNING: busy while idle, skews the other" if idle > 10 else ""
+            print(f"[ready] {server.spec.name} idle CPU {idle:.0f}%{note}", flush=True)
         for server in servers.values():  # compile paths and grammar caches warm up
             asyncio.run(run_cell(server, Cell("schema", 1), argparse.Namespace(
                 requests_per_stream=1, max_tokens=args.max_tokens), 0))
