@@ -78,6 +78,27 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True)
+class MigrationConfig:
+    """Request migration and stall detection of streamed decode legs (migration.py).
+
+    A decode stream that breaks after the client got bytes is continued on another decode of
+    its group, at most `max_migrations` times per request. A leg that sends no byte for
+    `stall_timeout_s` (`first_byte_timeout_s` until its first one: that wait covers the KV
+    load, or the whole prompt on a worker computing it) counts as a dead worker.
+    """
+
+    max_migrations: int = 2
+    stall_timeout_s: float = 30.0
+    first_byte_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.max_migrations < 0:
+            raise ValueError("max_migrations must be >= 0")
+        if self.stall_timeout_s <= 0 or self.first_byte_timeout_s <= 0:
+            raise ValueError("stall and first-byte timeouts must be > 0")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """Everything the router app needs; built once in `from_args` (or directly in tests)."""
 
@@ -107,6 +128,7 @@ class RouterConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
 
     def __post_init__(self) -> None:
         for url in (*self.prefill_urls, *self.decode_urls, *self.mixed_urls):
@@ -138,6 +160,9 @@ class RouterConfig:
             retry=RetryConfig(max_attempts=args.max_attempts, budget_s=args.retry_budget),
             admission=AdmissionConfig(max_inflight=args.max_inflight, max_queue=args.max_queue,
                                       timeout_s=args.queue_timeout),
+            migration=MigrationConfig(max_migrations=args.max_migrations,
+                                      stall_timeout_s=args.stall_timeout,
+                                      first_byte_timeout_s=args.first_byte_timeout),
         )
 
 
@@ -187,3 +212,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-inflight", type=int, default=d.admission.max_inflight)
     parser.add_argument("--max-queue", type=int, default=d.admission.max_queue)
     parser.add_argument("--queue-timeout", type=float, default=d.admission.timeout_s)
+    parser.add_argument("--max-migrations", type=int, default=d.migration.max_migrations,
+                        help="times one streamed request may move to another decode after "
+                        "its decode failed mid-stream (0: never)")
+    parser.add_argument("--stall-timeout", type=float, default=d.migration.stall_timeout_s,
+                        help="seconds a streaming decode may send nothing before it counts "
+                        "as failed")
+    parser.add_argument("--first-byte-timeout", type=float,
+                        default=d.migration.first_byte_timeout_s,
+                        help="seconds a decode or prefill leg may take to its first byte")

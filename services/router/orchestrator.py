@@ -5,7 +5,9 @@ legs at once, matched on a router-minted transfer_id) or local (one decode/mixed
 the client's body: short prompts, and requests no P/D leg serves, e.g. n>1). An attempt that
 fails before the first byte reached the client is retried on other workers with backoff and
 jitter inside the request's budget; a failed decode re-runs the prefill too, since its KV may
-be gone. After the first byte, a failure becomes an SSE error event. A pull decode
+be gone. After the first byte, a streamed request moves to another decode (`migration.py`)
+or, when it cannot, the failure becomes an SSE error event. A streamed leg silent past the
+stall timeouts fails like a dead worker. A pull decode
 leg that ends without success (client gone, decode failed) has the prefill's lease ended at
 once (`leases.py`) rather than at its expiry.
 """
@@ -41,10 +43,11 @@ from services.router.legs import (
     push_params,
 )
 from services.router.metrics import RouterMetrics
+from services.router.migration import Migrator, StreamTracker, not_migratable
 from services.router.pairing import Pairing, Route
 from services.router.phases import Phases, cached_tokens_of, patch_usage
 from services.router.tokens import PromptTokenizer
-from services.router.upstream import Upstream, UpstreamFailure
+from services.router.upstream import StallTimeouts, Upstream, UpstreamFailure, stall_failure
 from services.router.workers import Worker
 from shared.protocol.pd import PHASES_HEADER, ApiKind
 
@@ -63,6 +66,7 @@ class ClientRequest:
     request_id: str
     http: web.Request
     phases: Phases
+    tracker: StreamTracker | None = None  # a migratable stream: what the client got
 
     @property
     def stream(self) -> bool:
@@ -94,6 +98,18 @@ async def _race(main: Awaitable[_T], guard: asyncio.Task[Any]) -> _T:
             await asyncio.gather(task, return_exceptions=True)
 
 
+async def _within(opening: asyncio.Future[_T], timeout_s: float, worker_id: str) -> _T:
+    """The leg's response headers, or a stall failure (a stopped worker accepts the
+    connection in its kernel backlog and never answers)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await asyncio.shield(opening)
+    except TimeoutError:
+        if opening.done() and not opening.cancelled() and opening.exception() is None:
+            return opening.result()
+        raise stall_failure(worker_id, timeout_s) from None
+
+
 async def _cancel(task: asyncio.Future[Any]) -> None:
     if not task.done():
         task.cancel()
@@ -105,17 +121,28 @@ class Orchestrator:
 
     def __init__(self, config: RouterConfig, pairing: Pairing, upstream: Upstream,
                  tokenizer: PromptTokenizer, metrics: RouterMetrics,
-                 leases: LeaseReleaser) -> None:
+                 leases: LeaseReleaser, migrator: Migrator) -> None:
         self._cfg = config
         self._pairing = pairing
         self._upstream = upstream
         self._tokenizer = tokenizer
         self._metrics = metrics
         self._leases = leases
+        self._migrator = migrator
         self._rng = random.Random()
+        self._stall = StallTimeouts(config.migration.first_byte_timeout_s,
+                                    config.migration.stall_timeout_s)
+
+    def _track(self, req: ClientRequest) -> None:
+        """Follow a migratable stream's output (the legs are asked for token ids)."""
+        if self._cfg.migration.max_migrations < 1 or not_migratable(req.kind, req.body):
+            return
+        req.tracker = StreamTracker(req.kind, req.body.get("return_token_ids") is True)
+        req.body = {**req.body, "return_token_ids": True}
 
     async def serve(self, req: ClientRequest) -> web.StreamResponse:
         out = ClientStream(req.http, req.phases) if req.stream else None
+        self._track(req)
         try:
             return await self._with_retries(req, out)
         except ApiError as err:
@@ -159,6 +186,10 @@ class Orchestrator:
             except UpstreamFailure as failure:
                 last = failure
                 self._metrics.upstream_failures.labels(failure.leg, str(failure.status)).inc()
+                if out is not None and out.started and req.tracker is not None:
+                    return await self._migrator.resume(
+                        req.kind, req.body, req.tracker, failure, req.request_id,
+                        lambda worker, body: self._continue(worker, req, out, body))
                 delay = backoff_delay(self._cfg.retry, attempt, self._rng)
                 if ((out is not None and out.started) or not failure.retryable
                         or attempt == self._cfg.retry.max_attempts
@@ -174,6 +205,8 @@ class Orchestrator:
                        out: ClientStream | None) -> web.StreamResponse:
         req.phases.decode_worker = route.target.id
         req.phases.prefill_worker = route.prefill.id if route.prefill else None
+        if req.tracker is not None:
+            req.tracker.compat_hash = route.group.compat_hash
         if route.prefill is None:
             return await self._decode(route, req, out, req.body, None)
         if not route.push:
@@ -237,7 +270,8 @@ class Orchestrator:
         start = time.monotonic()
         async with self._on(worker, "prefill"):
             doc, _ = await self._upstream.post_json(
-                worker.id, worker.url + req.path, prefill_body(req.body, params), req.request_id)
+                worker.id, worker.url + req.path, prefill_body(req.body, params), req.request_id,
+                timeout_s=self._stall.first_byte_s)
         elapsed = time.monotonic() - start
         req.phases.prefill_ms = elapsed * 1000.0
         self._metrics.prefill_time.observe(elapsed)
@@ -289,7 +323,8 @@ class Orchestrator:
             if isinstance(prefill, asyncio.Task):  # push: both legs run, prefill answers first
                 prefill = await _race(asyncio.shield(prefill), opening)
                 early = await self._send_early(req, out, prefill)
-            resp: aiohttp.ClientResponse = await opening
+            resp: aiohttp.ClientResponse = await _within(opening, self._stall.first_byte_s,
+                                                         worker.id)
             req.phases.merge_reported(resp.headers.get(PHASES_HEADER))
             cached = cached_tokens_of(prefill) if isinstance(prefill, dict) else None
 
@@ -299,9 +334,15 @@ class Orchestrator:
                 return patch_usage(usage, cached, req.phases)
 
             await relay(resp, worker.id, out, early[0] if early else None, on_usage,
-                        early[1] if early else None)
+                        early[1] if early else None, req.tracker, self._stall)
         req.phases.decode_ms = (time.monotonic() - start) * 1000.0
         return await out.finish()
+
+    async def _continue(self, worker: Worker, req: ClientRequest, out: ClientStream,
+                        body: dict[str, Any]) -> web.StreamResponse:
+        """A migrated stream's continuation: the whole request on `worker` (migration.py)."""
+        req.phases.decode_worker = worker.id
+        return await self._stream_leg(worker, "decode", req, out, body, None, time.monotonic())
 
     async def _send_early(self, req: ClientRequest, out: ClientStream,
                           prefill: dict[str, Any]) -> tuple[FirstTokenSkipper, str] | None:
@@ -309,5 +350,7 @@ class Orchestrator:
             return None
         include_usage = bool((req.body.get("stream_options") or {}).get("include_usage"))
         for chunk in early_chunks(req.kind, prefill, include_usage):
-            await out.send(chunk)
+            kept = req.tracker.outgoing(chunk) if req.tracker is not None else chunk
+            if kept is not None:
+                await out.send(kept)
         return FirstTokenSkipper(req.kind, prefill), str(prefill.get("id"))

@@ -7,9 +7,11 @@ breaker reads `counts_against_worker`; the client eventually sees `to_api_error(
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -25,12 +27,13 @@ class UpstreamFailure(Exception):
     """One failed call to one worker; `status` is None when no HTTP answer came back."""
 
     def __init__(self, worker_id: str, status: int | None, detail: str,
-                 body: dict[str, Any] | None = None) -> None:
+                 body: dict[str, Any] | None = None, *, stalled: bool = False) -> None:
         super().__init__(f"{worker_id}: {status or 'no answer'}: {detail}")
         self.worker_id = worker_id
         self.status = status
         self.detail = detail
         self.body = body
+        self.stalled = stalled  # the worker went silent past a stall timeout
         self.leg = ""  # set by the orchestrator: "prefill", "decode" or "local"
 
     @property
@@ -62,6 +65,18 @@ async def _failure_from(worker_id: str, resp: aiohttp.ClientResponse) -> Upstrea
     return UpstreamFailure(worker_id, resp.status, f"HTTP {resp.status}", body)
 
 
+@dataclass(frozen=True)
+class StallTimeouts:
+    """How long a streamed leg may stay silent: before its first byte, and between bytes."""
+
+    first_byte_s: float
+    between_bytes_s: float
+
+
+def stall_failure(worker_id: str, silent_s: float) -> UpstreamFailure:
+    return UpstreamFailure(worker_id, None, f"stalled: no byte for {silent_s:g} s", stalled=True)
+
+
 class Upstream:
     """The pooled client session plus the headers every leg carries."""
 
@@ -73,14 +88,22 @@ class Upstream:
         return {"X-Request-Id": request_id, **self._auth}
 
     async def post_json(self, worker_id: str, url: str, body: dict[str, Any],
-                        request_id: str) -> tuple[dict[str, Any], dict[str, str]]:
-        """POST and return (json body, response headers); raise UpstreamFailure otherwise."""
+                        request_id: str, timeout_s: float | None = None,
+                        ) -> tuple[dict[str, Any], dict[str, str]]:
+        """POST and return (json body, response headers); raise UpstreamFailure otherwise.
+        `timeout_s` bounds the whole call (a worker that stops answering is a failure)."""
         try:
-            async with self.session.post(url, json=body, headers=self.headers(request_id)) as resp:
-                if resp.status >= 400:
-                    raise await _failure_from(worker_id, resp)
-                return await resp.json(content_type=None), dict(resp.headers)
-        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            async with asyncio.timeout(timeout_s):
+                async with self.session.post(url, json=body,
+                                             headers=self.headers(request_id)) as resp:
+                    if resp.status >= 400:
+                        raise await _failure_from(worker_id, resp)
+                    return await resp.json(content_type=None), dict(resp.headers)
+        except TimeoutError as exc:
+            if timeout_s is not None:
+                raise stall_failure(worker_id, timeout_s) from exc
+            raise UpstreamFailure(worker_id, None, f"{type(exc).__name__}: {exc}") from exc
+        except (aiohttp.ClientError, ValueError) as exc:
             raise UpstreamFailure(worker_id, None, f"{type(exc).__name__}: {exc}") from exc
 
     async def get_json(self, worker_id: str, url: str, timeout_s: float) -> dict[str, Any]:
@@ -110,11 +133,25 @@ class Upstream:
             resp.close()
 
 
-async def sse_data(resp: aiohttp.ClientResponse, worker_id: str) -> AsyncIterator[bytes]:
-    """The `data:` payloads of an SSE body, `[DONE]` included; other SSE fields are ignored."""
-    buf = b""
+async def _read(resp: aiohttp.ClientResponse, worker_id: str, timeout_s: float | None) -> bytes:
     try:
-        async for chunk in resp.content.iter_any():
+        async with asyncio.timeout(timeout_s):
+            return await resp.content.readany()
+    except TimeoutError as exc:
+        if timeout_s is None:
+            raise
+        raise stall_failure(worker_id, timeout_s) from exc
+
+
+async def sse_data(resp: aiohttp.ClientResponse, worker_id: str,
+                   stall: StallTimeouts | None = None) -> AsyncIterator[bytes]:
+    """The `data:` payloads of an SSE body, `[DONE]` included; other SSE fields are ignored.
+    With `stall`, a worker silent past its timeout raises UpstreamFailure (`stalled`)."""
+    buf = b""
+    timeout = stall.first_byte_s if stall else None
+    try:
+        while chunk := await _read(resp, worker_id, timeout):
+            timeout = stall.between_bytes_s if stall else None
             buf += chunk
             *lines, buf = buf.split(b"\n")
             for line in lines:

@@ -156,6 +156,8 @@ class Worker:
         return self.health is Health.HEALTHY and self.breaker.available()
 
     def mark_healthy(self, metadata: WorkerMetadata) -> None:
+        if self.health is Health.UNHEALTHY:  # back (restarted): its breaker may probe now
+            self.breaker.recovered()
         self.metadata = metadata
         self.health = Health.HEALTHY
         self.reason = None

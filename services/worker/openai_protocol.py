@@ -19,6 +19,7 @@ from services.worker.structured_output import one_constraint, parse_structured
 from services.worker.tool_constraints import tool_choice_spec
 from shared.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from shared.engine.structured_spec import StructuredOutputSpec
+from shared.protocol.pd import RESUME_FIELD
 
 MAX_CHOICES = 128  # n x number of prompts, per request
 MAX_COMPLETION_LOGPROBS = 5
@@ -48,6 +49,7 @@ class SamplingFields:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutputSpec | None = None  # response_format, guided_*, tool_choice...
+    resumed_token_ids: tuple[int, ...] = ()  # RESUME_FIELD: a migrated request's earlier output
 
     def to_params(self, max_tokens: int, logprobs: int | None, renames: dict[str, str]) -> SamplingParams:
         """SamplingParams for the engine; `renames` maps its field names to the request's."""
@@ -115,6 +117,7 @@ def parse_sampling(f: Fields) -> SamplingFields:
         ignore_eos=f.boolean("ignore_eos", False),
         skip_special_tokens=f.boolean("skip_special_tokens", True),
         include_stop_str_in_output=f.boolean("include_stop_str_in_output", False),
+        resumed_token_ids=f.int_list(RESUME_FIELD, 0, INT64_MAX),
     )
 
 
@@ -132,9 +135,12 @@ def parse_common(f: Fields, tool_spec: StructuredOutputSpec | None = None) -> Co
     if logit_bias is not None and logit_bias.data:
         raise invalid("logit_bias", "logit_bias is not supported")
     structured = one_constraint(parse_structured(f), tool_spec)
+    sampling = parse_sampling(f)
+    if sampling.resumed_token_ids and sampling.n > 1:
+        raise invalid(RESUME_FIELD, "resumes one choice only (n=1)")
     return CommonFields(
         model=model,
-        sampling=dataclasses.replace(parse_sampling(f), structured=structured),
+        sampling=dataclasses.replace(sampling, structured=structured),
         stream=stream,
         include_usage=include_usage,
         return_token_ids=f.boolean("return_token_ids", False),
@@ -169,6 +175,8 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     common = parse_common(f)
     if len(prompts) * common.sampling.n > MAX_CHOICES:
         raise invalid("n", f"n times the number of prompts must be <= {MAX_CHOICES}")
+    if common.sampling.resumed_token_ids and len(prompts) > 1:
+        raise invalid(RESUME_FIELD, "resumes one prompt only")
     if f.has("suffix"):
         raise invalid("suffix", "suffix is not supported")
     echo = f.boolean("echo", False)
