@@ -20,7 +20,8 @@ from services.common.errors import RESPONSE_STARTED_KEY, ApiError
 from services.router.first_token import FirstTokenSkipper
 from services.router.migration import StreamTracker
 from services.router.phases import Phases
-from services.router.upstream import DONE, StallTimeouts, UpstreamFailure, sse_data
+from services.router.stall import Watchdog
+from services.router.upstream import DONE, UpstreamFailure, sse_data
 from shared.protocol.pd import PHASES_HEADER
 
 _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
@@ -90,17 +91,18 @@ def _parse(worker_id: str, data: bytes) -> dict[str, Any]:
 async def relay(resp: aiohttp.ClientResponse, worker_id: str, out: ClientStream,
                 skipper: FirstTokenSkipper | None, patch_usage: UsagePatch,
                 client_id: str | None = None, tracker: StreamTracker | None = None,
-                stall: StallTimeouts | None = None) -> None:
+                watchdog: Watchdog | None = None) -> None:
     """Copy a worker's SSE stream to the client up to (not including) its [DONE].
 
     `client_id` is the completion id the client already saw in early chunks from the prefill;
     the worker's own id is rewritten to it so one stream keeps one id. `tracker` (a migratable
     stream) sees every chunk (parsed) on its way out. An error event, a stream cut before
-    [DONE], or a worker silent past `stall`, raises UpstreamFailure (the caller decides on
+    [DONE], or a worker the `watchdog` finds stalled, raises UpstreamFailure (the caller decides on
     retry, migration or the error event).
     """
     rename: tuple[bytes, bytes] | None = None
-    async for data in sse_data(resp, worker_id, stall):
+    reader = watchdog.read if watchdog is not None else None
+    async for data in (sse_data(resp, worker_id, reader) if reader else sse_data(resp, worker_id)):
         if data == DONE:
             return
         if _ERROR_EVENT.match(data):

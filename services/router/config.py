@@ -82,20 +82,20 @@ class MigrationConfig:
     """Request migration and stall detection of streamed decode legs (migration.py).
 
     A decode stream that breaks after the client got bytes is continued on another decode of
-    its group, at most `max_migrations` times per request. A leg that sends no byte for
-    `stall_timeout_s` (`first_byte_timeout_s` until its first one: that wait covers the KV
-    load, or the whole prompt on a worker computing it) counts as a dead worker.
+    its group, at most `max_migrations` times per request. A leg silent for `stall_timeout_s`
+    has its worker probed (GET /health): one that does not answer has failed; one that does
+    is waited on, up to `stall_limit_s` of silence (stall.py).
     """
 
     max_migrations: int = 2
     stall_timeout_s: float = 30.0
-    first_byte_timeout_s: float = 120.0
+    stall_limit_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
-        if self.stall_timeout_s <= 0 or self.first_byte_timeout_s <= 0:
-            raise ValueError("stall and first-byte timeouts must be > 0")
+        if not 0 < self.stall_timeout_s <= self.stall_limit_s:
+            raise ValueError("the stall timeout must be > 0 and <= the stall limit")
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ class RouterConfig:
                                       timeout_s=args.queue_timeout),
             migration=MigrationConfig(max_migrations=args.max_migrations,
                                       stall_timeout_s=args.stall_timeout,
-                                      first_byte_timeout_s=args.first_byte_timeout),
+                                      stall_limit_s=args.stall_limit),
         )
 
 
@@ -216,8 +216,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="times one streamed request may move to another decode after "
                         "its decode failed mid-stream (0: never)")
     parser.add_argument("--stall-timeout", type=float, default=d.migration.stall_timeout_s,
-                        help="seconds a streaming decode may send nothing before it counts "
-                        "as failed")
-    parser.add_argument("--first-byte-timeout", type=float,
-                        default=d.migration.first_byte_timeout_s,
-                        help="seconds a decode or prefill leg may take to its first byte")
+                        help="seconds of silence on a leg before its worker is probed "
+                        "(GET /health); a worker that does not answer has failed the leg")
+    parser.add_argument("--stall-limit", type=float, default=d.migration.stall_limit_s,
+                        help="seconds of silence that fail a leg even while its worker "
+                        "answers the probes")

@@ -46,8 +46,9 @@ from services.router.metrics import RouterMetrics
 from services.router.migration import Migrator, StreamTracker, not_migratable
 from services.router.pairing import Pairing, Route
 from services.router.phases import Phases, cached_tokens_of, patch_usage
+from services.router.stall import StallPolicy, Watchdog
 from services.router.tokens import PromptTokenizer
-from services.router.upstream import StallTimeouts, Upstream, UpstreamFailure, stall_failure
+from services.router.upstream import Upstream, UpstreamFailure
 from services.router.workers import Worker
 from shared.protocol.pd import PHASES_HEADER, ApiKind
 
@@ -98,18 +99,6 @@ async def _race(main: Awaitable[_T], guard: asyncio.Task[Any]) -> _T:
             await asyncio.gather(task, return_exceptions=True)
 
 
-async def _within(opening: asyncio.Future[_T], timeout_s: float, worker_id: str) -> _T:
-    """The leg's response headers, or a stall failure (a stopped worker accepts the
-    connection in its kernel backlog and never answers)."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await asyncio.shield(opening)
-    except TimeoutError:
-        if opening.done() and not opening.cancelled() and opening.exception() is None:
-            return opening.result()
-        raise stall_failure(worker_id, timeout_s) from None
-
-
 async def _cancel(task: asyncio.Future[Any]) -> None:
     if not task.done():
         task.cancel()
@@ -130,8 +119,19 @@ class Orchestrator:
         self._leases = leases
         self._migrator = migrator
         self._rng = random.Random()
-        self._stall = StallTimeouts(config.migration.first_byte_timeout_s,
-                                    config.migration.stall_timeout_s)
+        self._stall = StallPolicy(config.migration.stall_timeout_s,
+                                  config.migration.stall_limit_s)
+
+    def _watchdog(self, worker: Worker) -> Watchdog:
+        async def probe() -> bool:
+            try:
+                await self._upstream.get_json(worker.id, worker.url + "/health",
+                                              self._cfg.health_timeout_s)
+            except UpstreamFailure:
+                return False
+            return True
+
+        return Watchdog(self._stall, worker.id, probe)
 
     def _track(self, req: ClientRequest) -> None:
         """Follow a migratable stream's output (the legs are asked for token ids)."""
@@ -269,9 +269,8 @@ class Orchestrator:
                        params: dict[str, Any]) -> dict[str, Any]:
         start = time.monotonic()
         async with self._on(worker, "prefill"):
-            doc, _ = await self._upstream.post_json(
-                worker.id, worker.url + req.path, prefill_body(req.body, params), req.request_id,
-                timeout_s=self._stall.first_byte_s)
+            doc, _ = await self._watchdog(worker).watch(self._upstream.post_json(
+                worker.id, worker.url + req.path, prefill_body(req.body, params), req.request_id))
         elapsed = time.monotonic() - start
         req.phases.prefill_ms = elapsed * 1000.0
         self._metrics.prefill_time.observe(elapsed)
@@ -295,8 +294,8 @@ class Orchestrator:
     async def _json_leg(self, worker: Worker, leg: str, req: ClientRequest,
                         body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         async with self._on(worker, leg):
-            return await self._upstream.post_json(worker.id, worker.url + req.path, body,
-                                                  req.request_id)
+            return await self._watchdog(worker).watch(self._upstream.post_json(
+                worker.id, worker.url + req.path, body, req.request_id))
 
     def _json_response(self, req: ClientRequest, doc: dict[str, Any], headers: dict[str, str],
                        pre: dict[str, Any] | None) -> web.Response:
@@ -323,8 +322,8 @@ class Orchestrator:
             if isinstance(prefill, asyncio.Task):  # push: both legs run, prefill answers first
                 prefill = await _race(asyncio.shield(prefill), opening)
                 early = await self._send_early(req, out, prefill)
-            resp: aiohttp.ClientResponse = await _within(opening, self._stall.first_byte_s,
-                                                         worker.id)
+            watchdog = self._watchdog(worker)
+            resp: aiohttp.ClientResponse = await watchdog.watch(opening)
             req.phases.merge_reported(resp.headers.get(PHASES_HEADER))
             cached = cached_tokens_of(prefill) if isinstance(prefill, dict) else None
 
@@ -334,7 +333,7 @@ class Orchestrator:
                 return patch_usage(usage, cached, req.phases)
 
             await relay(resp, worker.id, out, early[0] if early else None, on_usage,
-                        early[1] if early else None, req.tracker, self._stall)
+                        early[1] if early else None, req.tracker, watchdog)
         req.phases.decode_ms = (time.monotonic() - start) * 1000.0
         return await out.finish()
 

@@ -7,11 +7,9 @@ breaker reads `counts_against_worker`; the client eventually sees `to_api_error(
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -65,18 +63,6 @@ async def _failure_from(worker_id: str, resp: aiohttp.ClientResponse) -> Upstrea
     return UpstreamFailure(worker_id, resp.status, f"HTTP {resp.status}", body)
 
 
-@dataclass(frozen=True)
-class StallTimeouts:
-    """How long a streamed leg may stay silent: before its first byte, and between bytes."""
-
-    first_byte_s: float
-    between_bytes_s: float
-
-
-def stall_failure(worker_id: str, silent_s: float) -> UpstreamFailure:
-    return UpstreamFailure(worker_id, None, f"stalled: no byte for {silent_s:g} s", stalled=True)
-
-
 class Upstream:
     """The pooled client session plus the headers every leg carries."""
 
@@ -88,22 +74,14 @@ class Upstream:
         return {"X-Request-Id": request_id, **self._auth}
 
     async def post_json(self, worker_id: str, url: str, body: dict[str, Any],
-                        request_id: str, timeout_s: float | None = None,
-                        ) -> tuple[dict[str, Any], dict[str, str]]:
-        """POST and return (json body, response headers); raise UpstreamFailure otherwise.
-        `timeout_s` bounds the whole call (a worker that stops answering is a failure)."""
+                        request_id: str) -> tuple[dict[str, Any], dict[str, str]]:
+        """POST and return (json body, response headers); raise UpstreamFailure otherwise."""
         try:
-            async with asyncio.timeout(timeout_s):
-                async with self.session.post(url, json=body,
-                                             headers=self.headers(request_id)) as resp:
-                    if resp.status >= 400:
-                        raise await _failure_from(worker_id, resp)
-                    return await resp.json(content_type=None), dict(resp.headers)
-        except TimeoutError as exc:
-            if timeout_s is not None:
-                raise stall_failure(worker_id, timeout_s) from exc
-            raise UpstreamFailure(worker_id, None, f"{type(exc).__name__}: {exc}") from exc
-        except (aiohttp.ClientError, ValueError) as exc:
+            async with self.session.post(url, json=body, headers=self.headers(request_id)) as resp:
+                if resp.status >= 400:
+                    raise await _failure_from(worker_id, resp)
+                return await resp.json(content_type=None), dict(resp.headers)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             raise UpstreamFailure(worker_id, None, f"{type(exc).__name__}: {exc}") from exc
 
     async def get_json(self, worker_id: str, url: str, timeout_s: float) -> dict[str, Any]:
@@ -133,25 +111,20 @@ class Upstream:
             resp.close()
 
 
-async def _read(resp: aiohttp.ClientResponse, worker_id: str, timeout_s: float | None) -> bytes:
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await resp.content.readany()
-    except TimeoutError as exc:
-        if timeout_s is None:
-            raise
-        raise stall_failure(worker_id, timeout_s) from exc
+Reader = Callable[[aiohttp.ClientResponse], Awaitable[bytes]]
+
+
+async def _readany(resp: aiohttp.ClientResponse) -> bytes:
+    return await resp.content.readany()
 
 
 async def sse_data(resp: aiohttp.ClientResponse, worker_id: str,
-                   stall: StallTimeouts | None = None) -> AsyncIterator[bytes]:
+                   read: Reader = _readany) -> AsyncIterator[bytes]:
     """The `data:` payloads of an SSE body, `[DONE]` included; other SSE fields are ignored.
-    With `stall`, a worker silent past its timeout raises UpstreamFailure (`stalled`)."""
+    `read` gets the next bytes (b"" at the end): a stall watchdog's (stall.py) may raise."""
     buf = b""
-    timeout = stall.first_byte_s if stall else None
     try:
-        while chunk := await _read(resp, worker_id, timeout):
-            timeout = stall.between_bytes_s if stall else None
+        while chunk := await read(resp):
             buf += chunk
             *lines, buf = buf.split(b"\n")
             for line in lines:
