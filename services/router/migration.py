@@ -132,13 +132,14 @@ class StreamTracker:
             choice.pop("token_ids", None)
         if self.migrations or not self.client_wants_ids:
             choice.pop("prompt_token_ids", None)
+        delta: dict[str, Any] = {}
         if self.kind is ApiKind.COMPLETIONS:
             text = choice.get("text")
             if self.migrations:
                 _shift_offsets(choice.get("logprobs"), self._offset)
         else:
             raw = choice.get("delta")
-            delta: dict[str, Any] = raw if isinstance(raw, dict) else {}
+            delta = raw if isinstance(raw, dict) else {}
             if self.migrations:
                 delta.pop("role", None)
             self.parsed = self.parsed or bool(set(delta) - _CHAT_DELTA)
@@ -147,12 +148,15 @@ class StreamTracker:
             self.text_chars += len(text)
         if choice.get("finish_reason") is not None:
             self.finished = True
-        return not self.migrations or _has_payload(choice, text)
+        # A chunk only the token ids made (a held-back character) is not one the client
+        # would have got without them; a continuation's repeated role chunk neither.
+        return (self.client_wants_ids and not self.migrations) or _has_payload(choice, delta)
 
 
-def _has_payload(choice: dict[str, Any], text: Any) -> bool:
-    return bool(text or choice.get("token_ids") or choice.get("logprobs")
-                or choice.get("finish_reason") is not None)
+def _has_payload(choice: dict[str, Any], delta: dict[str, Any]) -> bool:
+    return bool(choice.get("text") or choice.get("token_ids") or choice.get("logprobs")
+                or choice.get("finish_reason") is not None
+                or any(v not in (None, "", []) for v in delta.values()))
 
 
 def _shift_offsets(logprobs: Any, offset: int) -> None:

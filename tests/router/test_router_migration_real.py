@@ -4,8 +4,10 @@
 - 16 greedy streams over two pull decodes; one decode is SIGKILLed once every stream has
   received a few chunks: every client completes, each stream's ids and text equal an
   uninterrupted run's (the mixed worker's), migrations are counted, and no block stays held.
-- The same with SIGSTOP instead (8 streams): the stalled streams leave the frozen decode after
-  the router's 2 s stall timeout, rather than waiting silently for as long as it is stopped.
+- The same with SIGSTOP instead (8 streams, and 4 requests not streamed): the stalled streams
+  leave the frozen decode once the router's 2 s stall timeout and a failed health probe say
+  it is gone (the requests not streamed are retried), rather than waiting silently for as long
+  as it is stopped.
 - The only decode is killed under load and restarted: once the router routes to it again, a
   burst of 8 concurrent requests all succeed (the half-open breaker used to 503 them).
 
@@ -111,14 +113,19 @@ async def _alive(session: aiohttp.ClientSession, service: Service) -> None:
     await service.wait_healthy(session, 240.0)
 
 
-async def _streams_through_a_fault(router: Service, n: int, fault: Any) -> list[Client]:
-    """`n` streams; `fault()` once each has received SEEN chunks (or finished)."""
+async def _streams_through_a_fault(router: Service, n: int, fault: Any,
+                                   whole: int = 0) -> tuple[list[Client], list[Answer]]:
+    """`n` streams, and `whole` requests not streamed (prompts n, n+1...) sent with them;
+    `fault()` once each stream has received SEEN chunks (or finished)."""
     async with aiohttp.ClientSession() as s:
         clients = [Client(_prompt(i)) for i in range(n)]
         tasks = [asyncio.create_task(c.run(s, router.url)) for c in clients]
+        plain = asyncio.gather(*(post(s, router.url + "/v1/completions",
+                                      {**BODY, "prompt": _prompt(n + i)}) for i in range(whole)))
         await asyncio.wait_for(asyncio.gather(*(c.seen.wait() for c in clients)), 300.0)
         fault()
-        return list(await asyncio.wait_for(asyncio.gather(*tasks), 300.0))
+        streams = await asyncio.wait_for(asyncio.gather(*tasks), 300.0)
+        return list(streams), list(await asyncio.wait_for(plain, 300.0))
 
 
 def _assert_uninterrupted(clients: list[Client], references: list[Answer]) -> None:
@@ -142,10 +149,12 @@ async def test_sigstop_of_a_decode_moves_its_streams_after_the_stall_timeout(
         await _alive(s, extra)
     async with router_in_test("router-stall", logs, *_pd_flags(fleet, extra)) as router:
         try:
-            clients = await _streams_through_a_fault(router, 8, extra.freeze)
+            clients, plain = await _streams_through_a_fault(router, 8, extra.freeze, whole=4)
         finally:
             extra.thaw()
         _assert_uninterrupted(clients, references)
+        for answer, ref in zip(plain, references[8:], strict=True):  # retried, not migrated
+            assert answer.status == 200 and answer.token_ids == ref.token_ids, answer.body
         async with aiohttp.ClientSession() as s:
             assert await metric(s, router.url, "pdmesh:router_migrations_total",
                                 '{reason="stall"}') >= 1
@@ -158,7 +167,7 @@ async def test_sigkill_of_a_decode_during_16_streams_loses_no_request(
     async with aiohttp.ClientSession() as s:
         await _alive(s, extra)
     async with router_in_test("router-failover", logs, *_pd_flags(fleet, extra)) as router:
-        clients = await _streams_through_a_fault(router, 16, extra.kill)
+        clients, _ = await _streams_through_a_fault(router, 16, extra.kill)
         _assert_uninterrupted(clients, references)
         async with aiohttp.ClientSession() as s:
             assert await metric(s, router.url, "pdmesh:router_migrations_total",
