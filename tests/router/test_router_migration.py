@@ -21,10 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from services.router.app import create_app as create_router
 from services.router.config import MigrationConfig, RouterConfig
-from services.worker.app import create_app as create_worker
-from services.worker.config import WorkerConfig
 from services.worker.routes import RUNTIME_KEY
-from shared.config import EngineConfig
 from shared.protocol.pd import PHASES_HEADER
 from tests.support.sse import split_events
 
@@ -73,23 +70,8 @@ async def _read(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
 
 
 @pytest.fixture
-async def workers(make_checkpoint) -> AsyncIterator[list[TestClient]]:
-    engine = EngineConfig(model=str(make_checkpoint(preset="tiny", seed=0)), dtype="float32",
-                          kv_cache_memory_bytes=8 << 20, num_threads=1, max_model_len=256)
-    clients = []
-    for _ in range(2):
-        app = create_worker(WorkerConfig(engine=engine, served_model_names=("tiny",)))
-        client = TestClient(TestServer(app, host="127.0.0.1"))
-        await client.start_server()
-        clients.append(client)
-    yield clients
-    for client in clients:
-        await client.close()
-
-
-@pytest.fixture
-async def router(workers) -> AsyncIterator[TestClient]:
-    urls = tuple(str(w.make_url("")).rstrip("/") for w in workers)
+async def router(tiny_workers) -> AsyncIterator[TestClient]:
+    urls = tuple(str(w.make_url("")).rstrip("/") for w in tiny_workers)
     config = RouterConfig(mixed_urls=urls, health_interval_s=0.2, health_timeout_s=5.0,
                           migration=MigrationConfig(stall_timeout_s=1.0, stall_limit_s=4.0))
     async with TestClient(TestServer(create_router(config), host="127.0.0.1")) as client:
@@ -143,26 +125,26 @@ def _assert_same_stream(reference: Stream, migrated: Stream) -> None:
     assert not any("error" in e for e in migrated.events)
 
 
-async def test_engine_failure_mid_stream_continues_on_the_other_worker(router, workers):
+async def test_engine_failure_mid_stream_continues_on_the_other_worker(router, tiny_workers):
     def boom(batch: Any) -> None:
         raise RuntimeError("injected step failure")
 
     body = {**COMPLETION, "return_token_ids": True}
-    reference, migrated = await _migrate_one(router, workers, "/v1/completions", body, boom)
+    reference, migrated = await _migrate_one(router, tiny_workers, "/v1/completions", body, boom)
     _assert_same_stream(reference, migrated)
     assert "prompt_token_ids" in json.dumps(migrated.events[0])  # asked for: kept, once
     assert json.dumps(migrated.events).count("prompt_token_ids") == 1
     assert await _metric(router, "error_event") == 1
 
 
-async def test_wedged_engine_is_left_at_the_stall_limit(router, workers):
+async def test_wedged_engine_is_left_at_the_stall_limit(router, tiny_workers):
     """The engine thread of the stream's worker stops while its HTTP server still answers
     /health (a wedged engine): past the 4 s stall limit the stream continues on the other
     worker. Chat, with logprobs; the token ids the router asked for are not shown. (A worker
     that stops answering altogether, SIGSTOP, is left after one probe: the real-process test.)"""
     release = threading.Event()
     try:
-        reference, migrated = await _migrate_one(router, workers, "/v1/chat/completions", CHAT,
+        reference, migrated = await _migrate_one(router, tiny_workers, "/v1/chat/completions", CHAT,
                                                  lambda batch: release.wait(BOUND_S))
     finally:
         release.set()
