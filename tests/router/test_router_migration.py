@@ -27,6 +27,7 @@ from tests.support.sse import split_events
 
 BOUND_S = 60.0
 MAX_TOKENS = 24
+PAUSE_AT = 4  # engine steps: the prompt's (first token), two more tokens, then the gate
 COMPLETION = {"model": "tiny", "prompt": "migrate me", "max_tokens": MAX_TOKENS,
               "temperature": 0, "ignore_eos": True, "stream": True,
               "stream_options": {"include_usage": True}}
@@ -55,7 +56,7 @@ class Stream:
 
 
 async def _read(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
-                stream: Stream, after: int = 3) -> Stream:
+                stream: Stream, after: int = 2) -> Stream:
     async with session.post(url, json=body) as resp:
         assert resp.status == 200, await resp.text()
         stream.worker_id = json.loads(resp.headers[PHASES_HEADER])["decode_worker"]
@@ -65,7 +66,7 @@ async def _read(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                 stream.events.append(json.loads(line[6:]))
                 if len(stream.events) >= after:
                     stream.got.set()
-    stream.events = [json.loads(e) for e in split_events(stream.raw)[:-1]]
+    stream.events = [e for e in map(json.loads, split_events(stream.raw)[:-1]) if "choices" in e]
     return stream
 
 
@@ -96,19 +97,54 @@ async def _metric(router: TestClient, reason: str) -> float:
                 0.0)
 
 
-async def _migrate_one(router: TestClient, workers: list[TestClient], path: str,
-                       body: dict[str, Any], hook: Any) -> tuple[Stream, Stream]:
-    """The uninterrupted stream, then the same stream with `hook` installed on its worker's
-    engine once the client got a few chunks."""
-    url = str(router.make_url(path))
+class Gate:
+    """A worker engine's fault hook for the cut run: from its PAUSE_AT-th step it waits for the
+    test, which then sets `fault` (run on every later step) and opens `go`. The engine cannot
+    run ahead of the test, so the fault always lands mid-stream, whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.paused = threading.Event()
+        self.go = threading.Event()
+        self.fault: Any = None
+
+    def __call__(self, batch: Any) -> None:
+        self.steps += 1
+        if self.steps == PAUSE_AT:
+            self.paused.set()
+            self.go.wait(BOUND_S)
+        if self.fault is not None:
+            self.fault(batch)
+
+
+async def _cut_run(router: TestClient, workers: list[TestClient], url: str,
+                   body: dict[str, Any], fault: Any, everywhere: bool = False) -> Stream:
+    """The stream, with `fault` on its worker's engine (on every worker's if `everywhere`)
+    once the client got the first tokens."""
+    gates = {id(w): Gate() for w in workers}
+    for w in workers:
+        w.app[RUNTIME_KEY].engine.engine.runner.fault_hook = gates[id(w)]
     async with aiohttp.ClientSession() as s:
-        reference = await asyncio.wait_for(_read(s, url, body, Stream()), BOUND_S)
         cut = Stream()
         task = asyncio.create_task(_read(s, url, body, cut))
         await asyncio.wait_for(cut.got.wait(), BOUND_S)
         victim = _worker_of(router, workers, cut.worker_id)
-        victim.app[RUNTIME_KEY].engine.engine.runner.fault_hook = hook
-        return reference, await asyncio.wait_for(task, BOUND_S)
+        assert gates[id(victim)].paused.wait(BOUND_S)  # (the gate pauses before the 4th token)
+        for w in workers:
+            if everywhere or w is victim:
+                gates[id(w)].fault = fault
+        for gate in gates.values():
+            gate.go.set()
+        return await asyncio.wait_for(task, BOUND_S)
+
+
+async def _migrate_one(router: TestClient, workers: list[TestClient], path: str,
+                       body: dict[str, Any], fault: Any) -> tuple[Stream, Stream]:
+    """The uninterrupted stream, then the same stream cut by `fault` on its worker."""
+    url = str(router.make_url(path))
+    async with aiohttp.ClientSession() as s:
+        reference = await asyncio.wait_for(_read(s, url, body, Stream()), BOUND_S)
+    return reference, await _cut_run(router, workers, url, body, fault)
 
 
 def _counts(stream: Stream) -> dict[str, Any]:
@@ -154,3 +190,21 @@ async def test_wedged_engine_is_left_at_the_stall_limit(router, tiny_workers):
     assert [e["choices"] for e in migrated.events] == [e["choices"] for e in reference.events]
     assert _counts(migrated) == _counts(reference)
     assert await _metric(router, "stall") == 1
+
+
+async def test_when_no_decode_is_left_the_client_gets_the_error_event(router, tiny_workers):
+    """Both workers' engines fail: the stream moves once, fails again, and with no worker
+    left the client gets what it got before migration existed: an error event, then [DONE]
+    (the text before it is the uninterrupted text's beginning)."""
+    def boom(batch: Any) -> None:
+        raise RuntimeError("injected step failure")
+
+    url = str(router.make_url("/v1/completions"))
+    async with aiohttp.ClientSession() as s:
+        reference = await asyncio.wait_for(_read(s, url, COMPLETION, Stream()), BOUND_S)
+    cut = await _cut_run(router, tiny_workers, url, COMPLETION, boom, everywhere=True)
+    events = [json.loads(e) for e in split_events(cut.raw)[:-1]]  # ends with [DONE]
+    assert "error" in events[-1] and all("error" not in e for e in events[:-1])
+    text = "".join(c["text"] for e in events[:-1] for c in e["choices"])
+    assert text and reference.text.startswith(text) and text != reference.text
+    assert await _metric(router, "error_event") == 1  # one move, then nowhere to go
