@@ -6,8 +6,8 @@ the client's body: short prompts, and requests no P/D leg serves, e.g. n>1). An 
 fails before the first byte reached the client is retried on other workers with backoff and
 jitter inside the request's budget; a failed decode re-runs the prefill too, since its KV may
 be gone. After the first byte, a streamed request moves to another decode (`migration.py`)
-or, when it cannot, the failure becomes an SSE error event. A streamed leg silent past the
-stall timeouts fails like a dead worker. A pull decode
+or, when it cannot, the failure becomes an SSE error event. A leg whose worker goes silent
+and then fails a health probe fails like a dead worker (`stall.py`). A pull decode
 leg that ends without success (client gone, decode failed) has the prefill's lease ended at
 once (`leases.py`) rather than at its expiry.
 """
