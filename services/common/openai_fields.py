@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.common.schema import INT64_MAX, INT64_MIN, Field, FieldTable, Kind, table
+from shared.protocol.pd import RESUME_FIELD
 
 MAX_CHOICES = 128  # n x number of prompts, per request
 MAX_COMPLETION_LOGPROBS = 5
@@ -66,6 +67,9 @@ SAMPLING = table(
     Field("ignore_eos", Kind.BOOLEAN, False),
     Field("skip_special_tokens", Kind.BOOLEAN, True),
     Field("include_stop_str_in_output", Kind.BOOLEAN, False),
+    Field(RESUME_FIELD, Kind.INTEGERS, (), lo=0, hi=INT64_MAX,
+          doc="pdmesh: the output already streamed to the client, when the router moves a "
+              "stream to another decode; one prompt only."),
 )
 
 STRUCTURED = table(

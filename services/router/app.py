@@ -28,6 +28,7 @@ from services.router.discovery import DISCOVERY_KEY, DiscoveredWorkers, Discover
 from services.router.health import HealthChecker, Jobs
 from services.router.leases import LeaseReleaser
 from services.router.metrics import RouterMetrics
+from services.router.migration import Migrator
 from services.router.openapi import router_document
 from services.router.orchestrator import Orchestrator
 from services.router.pairing import Pairing
@@ -66,7 +67,8 @@ async def sessions_context(app: web.Application) -> AsyncIterator[None]:
     leases = LeaseReleaser(control, state.metrics)
     state.runtime = Runtime(
         upstream=legs, control=control,
-        orchestrator=Orchestrator(cfg, state.pairing, legs, tokenizer, state.metrics, leases),
+        orchestrator=Orchestrator(cfg, state.pairing, legs, tokenizer, state.metrics, leases,
+                                  Migrator(cfg.migration, state.registry, state.metrics)),
         checker=checker, jobs=Jobs(state.registry, checker, state.metrics), tokenizer=tokenizer,
         leases=leases)
     try:

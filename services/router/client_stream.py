@@ -18,7 +18,9 @@ from aiohttp import web
 
 from services.common.errors import RESPONSE_STARTED_KEY, ApiError
 from services.router.first_token import FirstTokenSkipper
+from services.router.migration import StreamTracker
 from services.router.phases import Phases
+from services.router.stall import Watchdog
 from services.router.upstream import DONE, UpstreamFailure, sse_data
 from shared.protocol.pd import PHASES_HEADER
 
@@ -88,24 +90,24 @@ def _parse(worker_id: str, data: bytes) -> dict[str, Any]:
 
 async def relay(resp: aiohttp.ClientResponse, worker_id: str, out: ClientStream,
                 skipper: FirstTokenSkipper | None, patch_usage: UsagePatch,
-                client_id: str | None = None) -> None:
+                client_id: str | None = None, tracker: StreamTracker | None = None,
+                watchdog: Watchdog | None = None) -> None:
     """Copy a worker's SSE stream to the client up to (not including) its [DONE].
 
     `client_id` is the completion id the client already saw in early chunks from the prefill;
-    the worker's own id is rewritten to it so one stream keeps one id. An error event before
-    anything reached the client, or a stream cut before [DONE], raises UpstreamFailure (the
-    caller decides on retry).
+    the worker's own id is rewritten to it so one stream keeps one id. `tracker` (a migratable
+    stream) sees every chunk (parsed) on its way out. An error event, a stream cut before
+    [DONE], or a worker the `watchdog` finds stalled, raises UpstreamFailure (the caller decides on
+    retry, migration or the error event).
     """
     rename: tuple[bytes, bytes] | None = None
-    async for data in sse_data(resp, worker_id):
+    reader = watchdog.read if watchdog is not None else None
+    async for data in (sse_data(resp, worker_id, reader) if reader else sse_data(resp, worker_id)):
         if data == DONE:
             return
         if _ERROR_EVENT.match(data):
-            if not out.started:
-                raise UpstreamFailure(worker_id, _error_status(data), "error event in stream",
-                                      _parse(worker_id, data))
-            await out.send_raw(data)
-            continue
+            raise UpstreamFailure(worker_id, _error_status(data), "error event in stream",
+                                  _parse(worker_id, data))
         if client_id is not None:
             worker_cid = str(_parse(worker_id, data).get("id"))
             rename = None if worker_cid == client_id else (
@@ -114,17 +116,18 @@ async def relay(resp: aiohttp.ClientResponse, worker_id: str, out: ClientStream,
         if rename is not None:
             data = data.replace(rename[0], rename[1], 1)
         active = skipper is not None and not skipper.done
-        if not active and not _USAGE_OBJECT.search(data):
+        if not active and tracker is None and not _USAGE_OBJECT.search(data):
             await out.send_raw(data)
             continue
         parsed = _parse(worker_id, data)
         # `active` implies a skipper; the None test restates it for the type checker.
         chunk = skipper.apply(parsed) if active and skipper is not None else parsed
-        if chunk is None:
-            continue
-        if isinstance(chunk.get("usage"), dict):
+        if chunk is not None and isinstance(chunk.get("usage"), dict):
             chunk["usage"] = patch_usage(chunk["usage"])
-        await out.send(chunk)
+        if chunk is not None and tracker is not None:
+            chunk = tracker.outgoing(chunk)
+        if chunk is not None:
+            await out.send(chunk)
     raise UpstreamFailure(worker_id, None, "stream ended before [DONE]")
 
 

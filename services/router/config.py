@@ -176,6 +176,27 @@ class DiscoveryConfig:
 
 
 @dataclass(frozen=True)
+class MigrationConfig:
+    """Request migration and stall detection of streamed decode legs (migration.py).
+
+    A decode stream that breaks after the client got bytes is continued on another decode of
+    its group, at most `max_migrations` times per request. A leg silent for `stall_timeout_s`
+    has its worker probed (GET /health): one that does not answer has failed; one that does
+    is waited on, up to `stall_limit_s` of silence (stall.py).
+    """
+
+    max_migrations: int = 2
+    stall_timeout_s: float = 30.0
+    stall_limit_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.max_migrations < 0:
+            raise ValueError("max_migrations must be >= 0")
+        if not 0 < self.stall_timeout_s <= self.stall_limit_s:
+            raise ValueError("the stall timeout must be > 0 and <= the stall limit")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """Everything the router app needs; built once in `from_args` (or directly in tests).
 
@@ -218,6 +239,7 @@ class RouterConfig:
     # The listener's certificate (HTTPS when set) and the CA https:// workers are checked with.
     tls: TLSFiles = field(default_factory=TLSFiles)
     cors_allow_origins: tuple[str, ...] = ()  # browser origins allowed to call; "*": any
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
 
     def __post_init__(self) -> None:
         for url in (*self.prefill_urls, *self.decode_urls, *self.mixed_urls):
@@ -268,6 +290,9 @@ class RouterConfig:
                 kubeconfig=args.kubeconfig or environ.get("KUBECONFIG") or None),
             tls=tls.from_args(args),
             cors_allow_origins=tuple(o.rstrip("/") for o in args.cors_allow_origin or ()),
+            migration=MigrationConfig(max_migrations=args.max_migrations,
+                                      stall_timeout_s=args.stall_timeout,
+                                      stall_limit_s=args.stall_limit),
         )
 
 
@@ -339,3 +364,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cors-allow-origin", action="append", metavar="ORIGIN",
                         help="browser origin allowed to call the API (repeatable; '*': any, "
                              "without credentials)")
+    parser.add_argument("--max-migrations", type=int, default=d.migration.max_migrations,
+                        help="times one streamed request may move to another decode after "
+                        "its decode failed mid-stream (0: never)")
+    parser.add_argument("--stall-timeout", type=float, default=d.migration.stall_timeout_s,
+                        help="seconds of silence on a leg before its worker is probed "
+                        "(GET /health); a worker that does not answer has failed the leg")
+    parser.add_argument("--stall-limit", type=float, default=d.migration.stall_limit_s,
+                        help="seconds of silence that fail a leg even while its worker "
+                        "answers the probes")

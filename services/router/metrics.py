@@ -39,6 +39,10 @@ class RouterMetrics:
                                ["leg"], registry=r)
         self.upstream_failures = Counter("pdmesh:router_upstream_failures",
                                          "Failed worker calls", ["leg", "status"], registry=r)
+        self.migrations = Counter("pdmesh:router_migrations",
+                                  "Streams continued on another decode after theirs failed "
+                                  "mid-stream, by reason (disconnect, error_event, stall)",
+                                  ["reason"], registry=r)
         self.disconnects = Counter("pdmesh:router_client_disconnects",
                                    "Client disconnects that aborted both legs", registry=r)
         self.lease_releases = Counter("pdmesh:router_lease_releases",

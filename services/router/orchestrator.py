@@ -5,7 +5,9 @@ legs at once, matched on a router-minted transfer_id) or local (one decode/mixed
 the client's body: short prompts, and requests no P/D leg serves, e.g. n>1). An attempt that
 fails before the first byte reached the client is retried on other workers with backoff and
 jitter inside the request's budget; a failed decode re-runs the prefill too, since its KV may
-be gone. After the first byte, a failure becomes an SSE error event. A pull decode
+be gone. After the first byte, a streamed request moves to another decode (`migration.py`)
+or, when it cannot, the failure becomes an SSE error event. A leg whose worker goes silent
+and then fails a health probe fails like a dead worker (`stall.py`). A pull decode
 leg that ends without success (client gone, decode failed) has the prefill's lease ended at
 once (`leases.py`) rather than at its expiry.
 """
@@ -41,8 +43,10 @@ from services.router.legs import (
     push_params,
 )
 from services.router.metrics import RouterMetrics
+from services.router.migration import Migrator, StreamTracker, not_migratable
 from services.router.pairing import Pairing, Route
 from services.router.phases import Phases, cached_tokens_of, patch_usage
+from services.router.stall import StallPolicy, Watchdog
 from services.router.tokens import PromptTokenizer
 from services.router.upstream import Upstream, UpstreamFailure
 from services.router.workers import Worker
@@ -63,6 +67,7 @@ class ClientRequest:
     request_id: str
     http: web.Request
     phases: Phases
+    tracker: StreamTracker | None = None  # a migratable stream: what the client got
 
     @property
     def stream(self) -> bool:
@@ -105,17 +110,39 @@ class Orchestrator:
 
     def __init__(self, config: RouterConfig, pairing: Pairing, upstream: Upstream,
                  tokenizer: PromptTokenizer, metrics: RouterMetrics,
-                 leases: LeaseReleaser) -> None:
+                 leases: LeaseReleaser, migrator: Migrator) -> None:
         self._cfg = config
         self._pairing = pairing
         self._upstream = upstream
         self._tokenizer = tokenizer
         self._metrics = metrics
         self._leases = leases
+        self._migrator = migrator
         self._rng = random.Random()
+        self._stall = StallPolicy(config.migration.stall_timeout_s,
+                                  config.migration.stall_limit_s)
+
+    def _watchdog(self, worker: Worker) -> Watchdog:
+        async def probe() -> bool:
+            try:
+                await self._upstream.get_json(worker.id, worker.url + "/health",
+                                              self._cfg.health_timeout_s)
+            except UpstreamFailure:
+                return False
+            return True
+
+        return Watchdog(self._stall, worker.id, probe)
+
+    def _track(self, req: ClientRequest) -> None:
+        """Follow a migratable stream's output (the legs are asked for token ids)."""
+        if self._cfg.migration.max_migrations < 1 or not_migratable(req.kind, req.body):
+            return
+        req.tracker = StreamTracker(req.kind, req.body.get("return_token_ids") is True)
+        req.body = {**req.body, "return_token_ids": True}
 
     async def serve(self, req: ClientRequest) -> web.StreamResponse:
         out = ClientStream(req.http, req.phases) if req.stream else None
+        self._track(req)
         try:
             return await self._with_retries(req, out)
         except ApiError as err:
@@ -160,6 +187,10 @@ class Orchestrator:
             except UpstreamFailure as failure:
                 last = failure
                 self._metrics.upstream_failures.labels(failure.leg, str(failure.status)).inc()
+                if out is not None and out.started and req.tracker is not None:
+                    return await self._migrator.resume(
+                        req.kind, req.body, req.tracker, failure, req.request_id,
+                        lambda worker, body: self._continue(worker, req, out, body))
                 delay = backoff_delay(self._cfg.retry, attempt, self._rng)
                 if ((out is not None and out.started) or not failure.retryable
                         or attempt == self._cfg.retry.max_attempts
@@ -175,6 +206,8 @@ class Orchestrator:
                        out: ClientStream | None) -> web.StreamResponse:
         req.phases.decode_worker = route.target.id
         req.phases.prefill_worker = route.prefill.id if route.prefill else None
+        if req.tracker is not None:
+            req.tracker.compat_hash = route.group.compat_hash
         if route.prefill is None:
             return await self._decode(route, req, out, req.body, None)
         if not route.push:
@@ -237,8 +270,8 @@ class Orchestrator:
                        params: dict[str, Any]) -> dict[str, Any]:
         start = time.monotonic()
         async with self._on(worker, "prefill"):
-            doc, _ = await self._upstream.post_json(
-                worker.id, worker.url + req.path, prefill_body(req.body, params), req.request_id)
+            doc, _ = await self._watchdog(worker).watch(self._upstream.post_json(
+                worker.id, worker.url + req.path, prefill_body(req.body, params), req.request_id))
         elapsed = time.monotonic() - start
         req.phases.prefill_ms = elapsed * 1000.0
         self._metrics.prefill_time.observe(elapsed)
@@ -262,8 +295,8 @@ class Orchestrator:
     async def _json_leg(self, worker: Worker, leg: str, req: ClientRequest,
                         body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         async with self._on(worker, leg):
-            return await self._upstream.post_json(worker.id, worker.url + req.path, body,
-                                                  req.request_id)
+            return await self._watchdog(worker).watch(self._upstream.post_json(
+                worker.id, worker.url + req.path, body, req.request_id))
 
     def _json_response(self, req: ClientRequest, doc: dict[str, Any], headers: dict[str, str],
                        pre: dict[str, Any] | None) -> web.Response:
@@ -290,7 +323,8 @@ class Orchestrator:
             if isinstance(prefill, asyncio.Task):  # push: both legs run, prefill answers first
                 prefill = await _race(asyncio.shield(prefill), opening)
                 early = await self._send_early(req, out, prefill, worker)
-            resp: aiohttp.ClientResponse = await opening
+            watchdog = self._watchdog(worker)
+            resp: aiohttp.ClientResponse = await watchdog.watch(opening)
             req.phases.merge_reported(resp.headers.get(PHASES_HEADER))
             cached = cached_tokens_of(prefill) if isinstance(prefill, dict) else None
 
@@ -300,9 +334,15 @@ class Orchestrator:
                 return patch_usage(usage, cached, req.phases)
 
             await relay(resp, worker.id, out, early[0] if early else None, on_usage,
-                        early[1] if early else None)
+                        early[1] if early else None, req.tracker, watchdog)
         req.phases.decode_ms = (time.monotonic() - start) * 1000.0
         return await out.finish()
+
+    async def _continue(self, worker: Worker, req: ClientRequest, out: ClientStream,
+                        body: dict[str, Any]) -> web.StreamResponse:
+        """A migrated stream's continuation: the whole request on `worker` (migration.py)."""
+        req.phases.decode_worker = worker.id
+        return await self._stream_leg(worker, "decode", req, out, body, None, time.monotonic())
 
     async def _send_early(self, req: ClientRequest, out: ClientStream, prefill: dict[str, Any],
                           decode: Worker) -> tuple[FirstTokenSkipper, str] | None:
@@ -313,9 +353,12 @@ class Orchestrator:
             # back: it is the decode's parser that decides, whatever the prefill says.
             return None
         include_usage = bool((req.body.get("stream_options") or {}).get("include_usage"))
-        chunks = early_chunks(req.kind, prefill, include_usage)
-        for chunk in chunks:
-            await out.send(chunk)
-        if chunks:
+        sent = 0
+        for chunk in early_chunks(req.kind, prefill, include_usage):
+            kept = req.tracker.outgoing(chunk) if req.tracker is not None else chunk
+            if kept is not None:
+                await out.send(kept)
+                sent += 1
+        if sent:
             self._metrics.early_first_tokens.inc()
         return FirstTokenSkipper(req.kind, prefill), str(prefill.get("id"))

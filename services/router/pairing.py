@@ -132,6 +132,8 @@ class Pairing:
     def _choose(self, policy: Policy, workers: Sequence[Worker], avoid: set[str],
                 prompt_ids: Sequence[int] | None, group: Group, state: PolicyState) -> Worker:
         pool = [w for w in workers if w.id not in avoid] or list(workers)
+        # A half-open worker already probing gets more only when nothing else is left.
+        pool = [w for w in pool if not w.breaker.probing()] or pool
         hashes = None
         if policy is Policy.PREFIX_AWARE and prompt_ids is not None:
             hashes = chained_block_hashes(prompt_ids, self._block_size(group))

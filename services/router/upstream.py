@@ -8,7 +8,7 @@ breaker reads `counts_against_worker`; the client eventually sees `to_api_error(
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -27,12 +27,13 @@ class UpstreamFailure(Exception):
     """One failed call to one worker; `status` is None when no HTTP answer came back."""
 
     def __init__(self, worker_id: str, status: int | None, detail: str,
-                 body: dict[str, Any] | None = None) -> None:
+                 body: dict[str, Any] | None = None, *, stalled: bool = False) -> None:
         super().__init__(f"{worker_id}: {status or 'no answer'}: {detail}")
         self.worker_id = worker_id
         self.status = status
         self.detail = detail
         self.body = body
+        self.stalled = stalled  # the worker went silent past a stall timeout
         self.leg = ""  # set by the orchestrator: "prefill", "decode" or "local"
 
     @property
@@ -126,11 +127,20 @@ class Upstream:
             resp.close()
 
 
-async def sse_data(resp: aiohttp.ClientResponse, worker_id: str) -> AsyncIterator[bytes]:
-    """The `data:` payloads of an SSE body, `[DONE]` included; other SSE fields are ignored."""
+Reader = Callable[[aiohttp.ClientResponse], Awaitable[bytes]]
+
+
+async def _readany(resp: aiohttp.ClientResponse) -> bytes:
+    return await resp.content.readany()
+
+
+async def sse_data(resp: aiohttp.ClientResponse, worker_id: str,
+                   read: Reader = _readany) -> AsyncIterator[bytes]:
+    """The `data:` payloads of an SSE body, `[DONE]` included; other SSE fields are ignored.
+    `read` gets the next bytes (b"" at the end): a stall watchdog's (stall.py) may raise."""
     buf = b""
     try:
-        async for chunk in resp.content.iter_any():
+        while chunk := await read(resp):
             buf += chunk
             *lines, buf = buf.split(b"\n")
             for line in lines:

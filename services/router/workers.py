@@ -201,6 +201,8 @@ class Worker:
         return self.attempts == 0 and self.inflight == 0
 
     def mark_healthy(self, metadata: WorkerMetadata) -> None:
+        if self.health is Health.UNHEALTHY:  # back (restarted): its breaker may probe now
+            self.breaker.recovered()
         self.metadata = metadata
         self.health = Health.HEALTHY
         self.reason = None

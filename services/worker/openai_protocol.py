@@ -29,6 +29,7 @@ from services.worker.structured_output import one_constraint, parse_structured
 from services.worker.tool_constraints import tool_choice_spec
 from shared.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from shared.engine.structured_spec import StructuredOutputSpec
+from shared.protocol.pd import RESUME_FIELD
 
 # A completion prompt: text to tokenize, or token ids given by the client.
 Prompt = str | tuple[int, ...]
@@ -55,6 +56,7 @@ class SamplingFields:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutputSpec | None = None  # response_format, guided_*, tool_choice...
+    resumed_token_ids: tuple[int, ...] = ()  # RESUME_FIELD: a migrated request's earlier output
 
     def to_params(self, max_tokens: int, logprobs: int | None, renames: dict[str, str]) -> SamplingParams:
         """SamplingParams for the engine; `renames` maps its field names to the request's."""
@@ -107,7 +109,9 @@ class ChatRequest:
 
 def parse_sampling(f: Fields) -> SamplingFields:
     """Every member of the SAMPLING table, by the table's own types and bounds."""
-    return SamplingFields(**{field.name: f.read(field) for field in SAMPLING})
+    values = {field.name: f.read(field) for field in SAMPLING}
+    values["resumed_token_ids"] = values.pop(RESUME_FIELD)  # the wire name is pdmesh_-prefixed
+    return SamplingFields(**values)
 
 
 def parse_common(f: Fields, tool_spec: StructuredOutputSpec | None = None) -> CommonFields:
@@ -124,9 +128,12 @@ def parse_common(f: Fields, tool_spec: StructuredOutputSpec | None = None) -> Co
     if logit_bias is not None and logit_bias.data:
         raise invalid("logit_bias", "logit_bias is not supported")
     structured = one_constraint(parse_structured(f), tool_spec)
+    sampling = parse_sampling(f)
+    if sampling.resumed_token_ids and sampling.n > 1:
+        raise invalid(RESUME_FIELD, "resumes one choice only (n=1)")
     return CommonFields(
         model=model,
-        sampling=dataclasses.replace(parse_sampling(f), structured=structured),
+        sampling=dataclasses.replace(sampling, structured=structured),
         stream=stream,
         include_usage=include_usage,
         return_token_ids=f.read(COMMON["return_token_ids"]),
@@ -161,6 +168,8 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     common = parse_common(f)
     if len(prompts) * common.sampling.n > MAX_CHOICES:
         raise invalid("n", f"n times the number of prompts must be <= {MAX_CHOICES}")
+    if common.sampling.resumed_token_ids and len(prompts) > 1:
+        raise invalid(RESUME_FIELD, "resumes one prompt only")
     if f.has(COMPLETION["suffix"].name):
         raise invalid("suffix", "suffix is not supported")
     echo = f.read(COMPLETION["echo"])

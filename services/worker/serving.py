@@ -61,7 +61,13 @@ from shared.engine.kv_connector import KVRequestOptions
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.structured_spec import InvalidStructuredOutput, StructuredOutputSpec
-from shared.protocol.pd import OUTPUT_PARSED_FIELD, PHASES_HEADER, ApiKind, PrefillLegParams
+from shared.protocol.pd import (
+    OUTPUT_PARSED_FIELD,
+    PHASES_HEADER,
+    RESUME_FIELD,
+    ApiKind,
+    PrefillLegParams,
+)
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +136,19 @@ class GenerationService:
             return sampling, max_tokens
         return dataclasses.replace(sampling, min_tokens=min(sampling.min_tokens, 1)), 1
 
+    def _resume(self, prompts: list[PreparedPrompt], sampling: SamplingFields,
+                leg: LegState | None) -> list[PreparedPrompt]:
+        """A migrated request (RESUME_FIELD) runs on its prompt plus the earlier output; the
+        prompt's text stays the client's (echo, chat output plans)."""
+        ids = sampling.resumed_token_ids
+        if not ids:
+            return prompts
+        if leg is not None:
+            raise BadRequestError(f"'{RESUME_FIELD}' cannot be combined with a P/D leg",
+                                  param=RESUME_FIELD)
+        self.prompts.check_token_ids(ids, RESUME_FIELD)
+        return [dataclasses.replace(p, token_ids=[*p.token_ids, *ids]) for p in prompts]
+
     def _spec(self, kind: ApiKind, common: CommonFields, model: str,
               prompts: list[PreparedPrompt], logprobs: int | None, echo: bool) -> ResponseSpec:
         prefix = "chatcmpl" if kind is ApiKind.CHAT else "cmpl"
@@ -152,6 +171,7 @@ class GenerationService:
         arrival = time.monotonic()
         model = self.resolve_model(req.common.model)
         prompts = [self.prompts.completion_prompt(p, need_text=req.echo) for p in req.prompts]
+        prompts = self._resume(prompts, req.common.sampling, leg)
         sampling, wanted = self._leg_sampling(leg, req.common.sampling, req.max_tokens)
         params = []
         for prompt in prompts:
@@ -166,7 +186,7 @@ class GenerationService:
                    leg: LegState | None = None) -> web.StreamResponse:
         arrival = time.monotonic()
         model = self.resolve_model(req.common.model)
-        prompt = self.prompts.chat_prompt(req)
+        prompt = self._resume([self.prompts.chat_prompt(req)], req.common.sampling, leg)[0]
         plan = plan_chat_output(self.config.parsers, req.tools, prompt.text)
         sampling = plan.sampling(req.common.sampling, self.engine.tokenizer)
         sampling, wanted = self._leg_sampling(leg, sampling, req.max_tokens)

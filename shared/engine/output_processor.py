@@ -29,6 +29,7 @@ from shared.model.tokenizer import Tokenizer
 class _Stream:
     detok: IncrementalDetokenizer
     num_sent: int = 0  # output tokens already emitted in a RequestOutput
+    resumed_chars: int = 0  # text of params.resumed_token_ids: emitted by an earlier worker
 
 
 class OutputProcessor:
@@ -41,9 +42,13 @@ class OutputProcessor:
 
     def add_request(self, request: Request) -> None:
         p = request.params
-        self._streams[request.request_id] = _Stream(IncrementalDetokenizer(
+        detok = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
-            include_stop_str_in_output=p.include_stop_str_in_output))
+            include_stop_str_in_output=p.include_stop_str_in_output)
+        # A resumed sequence replays its earlier output: the detokenizer then holds exactly
+        # what the earlier worker's held (a partial character, a possible stop prefix).
+        detok.add(p.resumed_token_ids)
+        self._streams[request.request_id] = _Stream(detok, resumed_chars=len(detok.text))
 
     def remove(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -119,7 +124,7 @@ class OutputProcessor:
             new_token_ids=list(new_ids),
             new_text=new_text,
             token_ids=list(request.output_token_ids),
-            text=stream.detok.text if stream else "",
+            text=stream.detok.text[stream.resumed_chars:] if stream else "",
             finished=finished,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,

@@ -48,6 +48,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutputSpec | None = None
+    # Output ids this sequence already produced elsewhere (a migrated request: the router
+    # re-dispatches it after its decode failed). The caller appends them to the prompt; the
+    # detokenizer and stop strings start from them, so the new text is exactly what follows
+    # theirs. max_tokens and min_tokens count the new tokens only.
+    resumed_token_ids: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -56,6 +61,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "resumed_token_ids",
+                           tuple(int(t) for t in self.resumed_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         checks = [

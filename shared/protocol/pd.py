@@ -40,6 +40,11 @@ PHASES_HEADER = "x-pdmesh-phases"  # per-phase timings (decode -> router -> clie
 # this request's output (tool calls, reasoning), so the raw first token must not be streamed
 # ahead of the decode: the decode may hold it back or turn it into reasoning or a call.
 OUTPUT_PARSED_FIELD = "output_parsed"
+# Router -> worker, top level of a request body: the output token ids a failed decode already
+# streamed for this request (request migration, services/router/migration.py). The worker
+# appends them to the prompt and continues the text where theirs ended; the router sends
+# max_tokens / min_tokens reduced by their number. One prompt, n=1, no KV leg.
+RESUME_FIELD = "pdmesh_resume_token_ids"
 
 
 class Role(StrEnum):

@@ -16,7 +16,8 @@ from services.router.config import BreakerConfig, RouterConfig
 from services.router.state import STATE_KEY, RouterState
 from tests.support.fake_worker import FakeWorker
 
-FLEET_START_TIMEOUT_S = 240.0  # six SmolLM2 loads at once on a loaded 2-core machine
+FLEET_START_TIMEOUT_S = 240.0
+TINY_READY_S = 60.0  # six SmolLM2 loads at once on a loaded 2-core machine
 
 
 @dataclasses.dataclass
@@ -99,3 +100,31 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield fleet.start(FLEET_START_TIMEOUT_S)
     finally:
         fleet.stop()
+
+
+@pytest.fixture
+async def tiny_workers(make_checkpoint: Callable[..., Any]) -> AsyncIterator[list[TestClient]]:
+    """Two real mixed workers in process on the tiny random model (fp32, served as "tiny"),
+    healthy; a test may break their engines (runner.fault_hook)."""
+    from services.worker.app import create_app as create_worker
+    from services.worker.config import WorkerConfig
+    from shared.config import EngineConfig
+
+    engine = EngineConfig(model=str(make_checkpoint(preset="tiny", seed=0)), dtype="float32",
+                          kv_cache_memory_bytes=8 << 20, num_threads=1, max_model_len=256)
+    clients = []
+    for _ in range(2):
+        app = create_worker(WorkerConfig(engine=engine, served_model_names=("tiny",)))
+        client = TestClient(TestServer(app, host="127.0.0.1"))
+        await client.start_server()
+        clients.append(client)
+    for client in clients:
+        for _ in range(int(TINY_READY_S / 0.05)):
+            if (await client.get("/health")).status == 200:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("a tiny worker never became healthy")
+    yield clients
+    for client in clients:
+        await client.close()

@@ -32,7 +32,7 @@ def test_failures_outside_the_window_do_not_count():
     assert b.state is BreakerState.CLOSED
 
 
-def test_half_open_after_cooldown_allows_one_probe_then_closes_after_m_successes():
+def test_half_open_after_cooldown_probes_then_closes_after_m_successes():
     clock = FakeClock(0.0)
     b = _breaker(clock)
     for _ in range(3):
@@ -40,10 +40,43 @@ def test_half_open_after_cooldown_allows_one_probe_then_closes_after_m_successes
     clock.now = 4.9
     assert b.state is BreakerState.OPEN
     clock.now = 5.0
-    assert b.state is BreakerState.HALF_OPEN
-    assert b.allow() and not b.allow()  # one probe at a time
+    assert b.state is BreakerState.HALF_OPEN and not b.probing()
+    assert b.allow() and b.probing()
     b.record_success()
-    assert b.state is BreakerState.HALF_OPEN and b.allow()
+    assert b.state is BreakerState.HALF_OPEN and not b.probing()
+    b.record_success()
+    assert b.state is BreakerState.CLOSED
+
+
+def test_half_open_admits_concurrent_requests_as_probes():
+    """The regression of "after a worker restarts, the half-open breaker turns concurrent
+    requests into 503s": every concurrent request is let through as a probe."""
+    clock = FakeClock(0.0)
+    b = _breaker(clock)
+    for _ in range(3):
+        b.record_failure()
+    clock.now = 5.0
+    assert all(b.allow() for _ in range(8)) and b.probing()
+    for _ in range(8):
+        b.record_success()
+    assert b.state is BreakerState.CLOSED and not b.probing()
+
+
+def test_recovered_worker_is_probed_before_the_cooldown_ends():
+    clock = FakeClock(0.0)
+    b = _breaker(clock)
+    for _ in range(3):
+        b.record_failure()
+    clock.now = 1.0
+    assert not b.available()
+    b.recovered()  # a health check found it healthy again (restarted)
+    assert b.state is BreakerState.HALF_OPEN and b.available()
+    b.record_failure()  # still broken: open again, with a fresh cool-down
+    assert b.state is BreakerState.OPEN
+    clock.now = 5.9
+    assert b.state is BreakerState.OPEN
+    b.recovered()
+    b.record_success()
     b.record_success()
     assert b.state is BreakerState.CLOSED
 
@@ -68,6 +101,6 @@ def test_release_gives_the_probe_back_without_a_verdict():
     b = _breaker(clock, failures=1)
     b.record_failure()
     clock.now = 5.0
-    assert b.allow() and not b.available()
+    assert b.allow() and b.probing()
     b.release()
-    assert b.available() and b.state is BreakerState.HALF_OPEN
+    assert not b.probing() and b.available() and b.state is BreakerState.HALF_OPEN

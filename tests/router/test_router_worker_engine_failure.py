@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 
-import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from services.router.app import create_app as create_router
@@ -34,26 +32,9 @@ async def wait_status(client: TestClient, path: str, status: int) -> None:
     raise AssertionError(f"{path} never answered {status}")
 
 
-@pytest.fixture
-async def workers(make_checkpoint) -> AsyncIterator[list[TestClient]]:
-    engine = EngineConfig(model=str(make_checkpoint(preset="tiny", seed=0)), dtype="float32",
-                          kv_cache_memory_bytes=8 << 20, num_threads=1, max_model_len=256)
-    clients = []
-    for _ in range(2):
-        app = create_worker(WorkerConfig(engine=engine, served_model_names=("tiny",)))
-        client = TestClient(TestServer(app, host="127.0.0.1"))
-        await client.start_server()
-        clients.append(client)
-    for client in clients:
-        await wait_status(client, "/health", 200)
-    yield clients
-    for client in clients:
-        await client.close()
-
-
-async def test_router_marks_a_failed_worker_unhealthy_in_one_round(workers) -> None:
-    failing, healthy = workers
-    urls = tuple(str(w.make_url("")).rstrip("/") for w in workers)
+async def test_router_marks_a_failed_worker_unhealthy_in_one_round(tiny_workers) -> None:
+    failing, healthy = tiny_workers
+    urls = tuple(str(w.make_url("")).rstrip("/") for w in tiny_workers)
     # One round at start-up, then none on its own during the test: the round below is the
     # "next health interval" after the failure.
     config = RouterConfig(mixed_urls=urls, health_interval_s=3600.0, health_timeout_s=5.0)

@@ -190,3 +190,30 @@ async def test_metadata_reports_the_kernel_tier_the_engine_runs(tiny_dir: Path, 
         assert kernels["backends"][name] == backend
         assert kernels[name] == backend_tier(backend).label
         assert backend_tier(backend) <= min(cap, cpu_tier())
+
+
+async def test_resumed_request_continues_the_output(server: WorkerThread) -> None:
+    """RESUME_FIELD (what the router sends a migrated request with): the prompt plus the ids
+    already generated, and a budget reduced by them, give the rest of the same output; a
+    request it cannot resume is a 400 naming the field."""
+    from shared.protocol.pd import RESUME_FIELD
+
+    body = {"model": "tiny", "prompt": PROMPTS[3], "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{server.url}/v1/completions", json=body) as resp:
+            full = await resp.json()
+        ids = full["choices"][0]["token_ids"]
+        for k in (1, 7):
+            resumed_body = {**body, "max_tokens": 12 - k, RESUME_FIELD: ids[:k]}
+            async with s.post(f"{server.url}/v1/completions", json=resumed_body) as resp:
+                assert resp.status == 200, await resp.text()
+                rest = await resp.json()
+            assert ids[:k] + rest["choices"][0]["token_ids"] == ids
+            assert rest["usage"]["prompt_tokens"] == full["usage"]["prompt_tokens"] + k
+        for bad in ({"n": 2}, {"prompt": ["a", "b"]}, {RESUME_FIELD: [10 ** 9]},
+                    {RESUME_FIELD: ["x"]}):
+            async with s.post(f"{server.url}/v1/completions",
+                              json={**body, RESUME_FIELD: ids[:2], **bad}) as resp:
+                assert resp.status == 400, bad
+                assert (await resp.json())["error"]["param"] == RESUME_FIELD, bad
