@@ -27,9 +27,15 @@ def enter_netns(name: str) -> None:
     namespace does not exist or the process lacks CAP_SYS_ADMIN."""
     fd = os.open(netns_path(name), os.O_RDONLY | os.O_CLOEXEC)
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into network namespace {name!r}: {os.strerror(err)}")
+        setns_net(fd)
     finally:
         os.close(fd)
+
+
+def setns_net(fd: int) -> None:
+    """Move the calling thread into the network namespace open as `fd` (a /run/netns entry,
+    or /proc/self/ns/net opened earlier: how a thread gets back to where it started)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns into a network namespace: {os.strerror(err)}")
