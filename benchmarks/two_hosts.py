@@ -2,7 +2,7 @@
 veth pair, each direction rate-limited with tc tbf (see two_hosts_link.py), on SmolLM2 bf16.
 
     sudo .venv/bin/python benchmarks/two_hosts.py [--rates 10gbit,1gbit] [--prompts 200,2000]
-        [--requests 4] [--concurrency 4] [--output-len 32] [--no-pp]
+        [--requests 3] [--concurrency 4] [--output-len 32] [--push-deadline 120] [--no-pp]
 
 Host A (10.77.0.1): the prefill workers (pull and push), the routers, and this client.
 Host B (10.77.0.2): the decode workers and, as the no-transfer baseline, one mixed worker
@@ -11,7 +11,7 @@ Every worker is a real `pdmesh serve` with one torch thread, pinned with taskset
 B's on core 1. All share one random PDMESH_KV_SECRET (KV peers on a non-loopback address
 refuse unsigned traffic). Per link rate: a raw TCP calibration (A -> B, 64 MiB, one Python
 socket), then per prompt length and path a sequential cell (`--requests`) and, with
-`--concurrency`, a concurrent one, through services/bench (streamed /v1/completions, random
+`--concurrency`, that many requests at once, through services/bench (streamed /v1/completions, random
 token-id prompts, ignore_eos). PP: a mixed worker with --pp-size 2 whose rank 0 runs in A and
 whose stage 1 enters B (--pp-stage-netns), gloo on the veth addresses, against the same
 worker with both stages in A on loopback; the stage process is re-pinned to core 1.
@@ -183,19 +183,21 @@ def serve_argv(role: str, port: int, host: str, extra: Sequence[str] = ()) -> li
             "--log-level", "WARNING", *extra]
 
 
-def pd_argv(role: str, mode: str, port: int, host: str) -> list[str]:
+def pd_argv(role: str, mode: str, port: int, host: str, push_deadline_s: float) -> list[str]:
     return serve_argv(role, port, host, ["--dtype", "bfloat16", "--transfer-mode", mode,
-                                         "--kv-host", host, "--kv-port", str(port + 1000)])
+                                         "--kv-host", host, "--kv-port", str(port + 1000),
+                                         "--kv-push-deadline-seconds", str(push_deadline_s)])
 
 
-def start_mesh(procs: Procs, plan: LinkPlan, env: dict[str, str]) -> dict[str, str]:
+def start_mesh(procs: Procs, plan: LinkPlan, env: dict[str, str],
+               push_deadline_s: float) -> dict[str, str]:
     """Start the P/D workers, the mixed baseline and the routers; returns the router URLs."""
     a, b = f"http://{plan.addr_a}", f"http://{plan.addr_b}"
     for mode in ("pull", "push"):
-        procs.start(f"{mode}_p", plan.ns_a, "0", pd_argv("prefill", mode, PORTS[f"{mode}_p"],
-                                                         plan.addr_a), env)
-        procs.start(f"{mode}_d", plan.ns_b, "1", pd_argv("decode", mode, PORTS[f"{mode}_d"],
-                                                         plan.addr_b), env)
+        for role, side, ns, core, addr in (("prefill", "p", plan.ns_a, "0", plan.addr_a),
+                                           ("decode", "d", plan.ns_b, "1", plan.addr_b)):
+            procs.start(f"{mode}_{side}", ns, core,
+                        pd_argv(role, mode, PORTS[f"{mode}_{side}"], addr, push_deadline_s), env)
     procs.start("mixed", plan.ns_b, "1",
                 serve_argv("mixed", PORTS["mixed"], plan.addr_b, ["--dtype", "bfloat16"]), env)
     for name, host in (("pull_p", a), ("pull_d", b), ("push_p", a), ("push_d", b),
@@ -234,7 +236,7 @@ def measure(url: str, link: str, rate_bit: int | None, path: str, prompt_len: in
     from services.bench.client import RequestStatus
 
     before = [kv_sums(_get(u + "/metrics")[1]) for u in kv_urls]
-    requests = args.requests if concurrency == 1 else 2 * concurrency
+    requests = args.requests if concurrency == 1 else concurrency  # one wave at once
     result = bench_cell(url, prompt_len, args.output_len, requests, concurrency, seed)
     after = [kv_sums(_get(u + "/metrics")[1]) for u in kv_urls]
     nbytes, secs = 0, 0.0
@@ -263,7 +265,7 @@ def measure(url: str, link: str, rate_bit: int | None, path: str, prompt_len: in
 def run_pd(procs: Procs, link: Link, env: dict[str, str], args: argparse.Namespace,
            rates: list[int]) -> tuple[list[Row], dict[str, float]]:
     plan = link.plan
-    routers = start_mesh(procs, plan, env)
+    routers = start_mesh(procs, plan, env, args.push_deadline)
     kv = {"pull": [f"http://{plan.addr_b}:{PORTS['pull_d']}"],
           "push": [f"http://{plan.addr_a}:{PORTS['push_p']}"], "mixed": []}
     for url in routers.values():  # warm-up, not counted: kernels, first handshake
@@ -335,9 +337,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="10gbit,1gbit")
     ap.add_argument("--prompts", default="200,2000")
-    ap.add_argument("--requests", type=int, default=4, help="sequential requests per cell")
+    ap.add_argument("--requests", type=int, default=3, help="sequential requests per cell")
     ap.add_argument("--concurrency", type=int, default=4,
-                    help="also a cell of 2x this many requests at this concurrency (<= 1: none)")
+                    help="also a cell of this many requests sent at once (<= 1: none)")
+    ap.add_argument("--push-deadline", type=float, default=120.0,
+                    help="--kv-push-deadline-seconds of the push workers: a push decode "
+                         "registers on arrival, so it waits out the prefill's whole queue "
+                         "(the workers' default, 30 s, fails 2,000-token prompts at "
+                         "concurrency 4 on one core)")
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--paths", default="mixed,pull,push", help="P/D cells to run")
     ap.add_argument("--no-pp", action="store_true")
@@ -380,6 +387,10 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_pp:
             rows += run_pp(procs, link, env, args, args.rate_list)
         report(args, rows, calibration, time.time() - started)
+        shutil.rmtree(procs.logdir, ignore_errors=True)
+    except BaseException:
+        print(f"two_hosts: failed; process logs in {procs.logdir}", file=sys.stderr)
+        raise
     finally:
         cleanup()
         atexit.unregister(cleanup)
