@@ -77,7 +77,7 @@ class StageGroup:
             if error is not None:
                 raise PipelineError(f"pipeline stage {rank} {error}")
             waiting.discard(rank)
-        join_group(self.store, self.pipeline.master_addr, 0, self.pipeline.pp_size)
+        join_group(self.store, self.pipeline.bind_addr(0), 0, self.pipeline.pp_size)
         self.joined = True
 
     def stop(self, graceful: bool) -> None:

@@ -32,6 +32,7 @@ from shared.pipeline.channel import (
 from shared.pipeline.config import PipelineConfig
 from shared.pipeline.handoff import PipelineError
 from shared.pipeline.mirror import SamplingMirror
+from shared.pipeline.netns import enter_netns
 from shared.pipeline.wire import MessageKind, MirrorUpdate, StepHeader
 
 log = logging.getLogger(__name__)
@@ -145,10 +146,12 @@ def stage_main(spec: StageSpec, kv_cache: torch.Tensor, counters: torch.Tensor,
     from kernels.tier import set_max_tier
     from shared.model.loader import load_model
 
-    torch.set_num_threads(spec.num_threads)
-    set_max_tier(spec.kernel_tier)
     pipe = spec.pipeline
     try:
+        if pipe.stage_netns is not None:  # first: the sockets and threads made later inherit it
+            enter_netns(pipe.stage_netns)
+        torch.set_num_threads(spec.num_threads)
+        set_max_tier(spec.kernel_tier)
         model, model_config = load_model(spec.model_dir, spec.dtype, spec.layer_range)
         channel = StageChannel(spec.rank, spec.world_size, hidden_size=model_config.hidden_size,
                                dtype=model.dtype, timeout_s=pipe.step_timeout_s,
@@ -163,7 +166,7 @@ def stage_main(spec: StageSpec, kv_cache: torch.Tensor, counters: torch.Tensor,
     # Joining blocks until every rank joins; rank 0 joins once all stages reported ready.
     store = open_store(pipe.master_addr, spec.store_port, spec.world_size, is_master=False,
                        timeout_s=pipe.connect_timeout_s)
-    join_group(store, pipe.master_addr, spec.rank, spec.world_size)
+    join_group(store, pipe.bind_addr(spec.rank), spec.rank, spec.world_size)
     try:
         worker.serve()
     except PipelineError as exc:
