@@ -117,7 +117,8 @@ async def _outage(ctx: Ctx, victim: Proc, down: Callable[[], None],
     again = await ctx.mesh.wait_usable(ctx.session, victim, True, ctx.mesh.spec.ready_timeout_s,
                                        since=t1)
     wait = hold_s or ctx.cfg.detect_timeout_s
-    note = "" if stop is not None else f"the router kept it in rotation for {wait:g}s"
+    note = f"victim {victim.name}" + (
+        "" if stop is not None else f"; the router kept it in rotation for {wait:g}s")
     return Timing(stop, again, note)
 
 
@@ -130,17 +131,17 @@ def _restart(victim: Proc, extra: tuple[str, ...] = ()) -> Callable[[], None]:
 
 
 async def kill_decode(ctx: Ctx) -> Timing:
-    victim = ctx.mesh.by_role("decode")[0]
+    victim = await ctx.mesh.busiest(ctx.session, "decode")
     return await _outage(ctx, victim, victim.kill9, _restart(victim))
 
 
 async def kill_prefill(ctx: Ctx) -> Timing:
-    victim = ctx.mesh.by_role("prefill")[-1]
+    victim = await ctx.mesh.busiest(ctx.session, "prefill")
     return await _outage(ctx, victim, victim.kill9, _restart(victim))
 
 
 async def stop_decode(ctx: Ctx) -> Timing:
-    victim = ctx.mesh.by_role("decode")[0]
+    victim = await ctx.mesh.busiest(ctx.session, "decode")
     return await _outage(ctx, victim, lambda: victim.signal(signal.SIGSTOP),
                          lambda: victim.signal(signal.SIGCONT), ctx.cfg.stop_s)
 
@@ -175,7 +176,7 @@ async def cut_kv(ctx: Ctx) -> Timing:
 async def restart_new_weights(ctx: Ctx) -> Timing:
     """Restart a decode with another dtype: its compat hash changes, so it lands in a group
     of its own (no prefill shares it) and the router must not pair it with the old prefills."""
-    victim = ctx.mesh.by_role("decode")[-1]
+    victim = await ctx.mesh.busiest(ctx.session, "decode")
     other = "float32" if ctx.mesh.spec.dtype != "float32" else "bfloat16"
     t0 = time.monotonic()
     victim.kill9()
@@ -184,7 +185,7 @@ async def restart_new_weights(ctx: Ctx) -> Timing:
     victim.start(("--dtype", other))
     # Healthy again but incompatible: routing to it again would be the defect.
     again = await ctx.mesh.wait_usable(ctx.session, victim, True, 5.0)
-    note = (f"restarted with --dtype {other} (new compat hash): "
+    note = (f"{victim.name} restarted with --dtype {other} (new compat hash): "
             + ("the router routes to it (unexpected)" if again is not None
                else "healthy but unpaired, not routed to (expected)"))
     return Timing(stop, again, note)

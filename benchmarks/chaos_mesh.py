@@ -194,6 +194,14 @@ class Mesh:
                                        and w["id"] in servable)
                 for w in doc.get("workers", [])}
 
+    async def busiest(self, session: aiohttp.ClientSession, role: str) -> Proc:
+        """The worker of `role` with the most requests of the router on it now (the first on a
+        tie): the victim whose fault hits the streams in flight."""
+        doc = await _get_json(session, self.url + "/v1/router/metadata") or {}
+        load = {w["url"].rstrip("/"): (w.get("load") or {}).get("router_inflight", 0)
+                for w in doc.get("workers", [])}
+        return max(self.by_role(role), key=lambda w: load.get(w.url, 0))
+
     async def wait_usable(self, session: aiohttp.ClientSession, proc: Proc, usable: bool,
                           timeout: float, since: float | None = None) -> float | None:
         """Seconds (from `since`, default now) until the router's view of `proc` is `usable`;

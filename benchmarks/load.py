@@ -80,6 +80,8 @@ async def run(spec: MeshSpec, cfg: LoadConfig, log_dir: Path) -> dict[str, Any]:
                           for o in attempts),
         "router_cpu_ms_per_request": round((after.cpu_s - before.cpu_s) / len(attempts) * 1000,
                                            2),
+        "router_cpu_ms_per_completed": round((after.cpu_s - before.cpu_s) * 1000 / max(
+            1, sum(o.kind is Kind.COMPLETED for o in attempts)), 2),
         "blocks_after": blocks,
     }
 
