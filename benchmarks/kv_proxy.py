@@ -32,9 +32,14 @@ class _Conn:
     def reset(self) -> None:
         """Close both sides with an RST (linger 0), as a dropped link or a dead NAT would."""
         for writer in (self.client, self.upstream):
+            if writer.transport.is_closing():
+                continue  # closed already (the other side ended first)
             sock = writer.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            try:
+                if sock is not None:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass  # the descriptor went away under us: nothing left to reset
             writer.transport.abort()
 
 

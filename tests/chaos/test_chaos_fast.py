@@ -34,7 +34,7 @@ with mock.patch.object(sys, "path", [str(BENCHMARKS), *sys.path]):
     chaos_mesh: ModuleType = importlib.import_module("chaos_mesh")
 
 FAULTS = ["client_close", "cut_kv", "stop_decode", "kill_decode"]
-CONFIG = chaos.ChaosConfig(concurrency=16, max_tokens=24, hard_timeout_s=30.0, stop_s=3.0,
+CONFIG = chaos.ChaosConfig(concurrency=16, max_tokens=64, hard_timeout_s=30.0, stop_s=3.0,
                            client_closes=10, cuts=3, detect_timeout_s=15.0)
 
 
