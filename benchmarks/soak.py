@@ -116,11 +116,15 @@ class UpMesh:
             self.popen.wait(10)
 
 
+# A sample must not wait on a stuck process: it reads as None (and fails the verdict).
+_SAMPLE_TIMEOUT = aiohttp.ClientTimeout(total=10)
+
+
 async def _metric(session: aiohttp.ClientSession, url: str, name: str) -> float | None:
     try:
-        async with session.get(url + "/metrics") as resp:
+        async with session.get(url + "/metrics", timeout=_SAMPLE_TIMEOUT) as resp:
             text = await resp.text()
-    except aiohttp.ClientError:
+    except (aiohttp.ClientError, TimeoutError):
         return None
     match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
     return float(match.group(1)) if match else None
@@ -128,9 +132,9 @@ async def _metric(session: aiohttp.ClientSession, url: str, name: str) -> float 
 
 async def _blocks(session: aiohttp.ClientSession, url: str) -> int | None:
     try:
-        async with session.get(url + "/v1/metadata") as resp:
+        async with session.get(url + "/v1/metadata", timeout=_SAMPLE_TIMEOUT) as resp:
             return (await resp.json()).get("kv_cache", {}).get("num_used_blocks")
-    except (aiohttp.ClientError, ValueError):
+    except (aiohttp.ClientError, TimeoutError, ValueError):
         return None
 
 
