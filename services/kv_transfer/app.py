@@ -227,7 +227,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 async def start_server(config: KVTransferConfig, service: KVTransferService) -> web.AppRunner:
     """Bind, record the port in the service, start the app; `await runner.cleanup()` stops it."""
     sock = bind_socket(config.host, config.port)
-    service.set_port(sock.getsockname()[1])
+    service.set_port(config.advertise_port or sock.getsockname()[1])
     exposure_warning("the KV-transfer service", config.host, sock.getsockname()[1],
                      config.tls.enabled, kv_secret=config.secret is not None)
     app = create_app(config, service)

@@ -61,7 +61,8 @@ class KVTransferConfig:
     """Settings of one KV-transfer service (one per prefill or decode worker).
 
     `advertise_host` is what goes into kv_transfer_params (defaults to `host`; `from_args` sets
-    it to `own_address()` for a wildcard bind). Leases last
+    it to `own_address()` for a wildcard bind), `advertise_port` likewise (defaults to the bound
+    port: a forwarder or NAT in front of the listener names its own). Leases last
     `lease_seconds`; decode heartbeats every lease/6 extend them to now + 2/3 lease. A push
     rendezvous waits at most `push_deadline_seconds` for the other leg. `layer_start`/
     `layer_end` (None: all) and `pp_size` describe a pipeline stage for negotiation;
@@ -82,6 +83,7 @@ class KVTransferConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_KV_PORT
     advertise_host: str | None = None
+    advertise_port: int | None = None
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     lease_seconds: float = 30.0
     push_deadline_seconds: float = 30.0
@@ -108,6 +110,8 @@ class KVTransferConfig:
             raise ValueError(f"KV transfer mode must be one of {TRANSFER_MODES}, got {self.mode!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"KV port must be in [0, 65535], got {self.port}")
+        if self.advertise_port is not None and not 1 <= self.advertise_port <= 65535:
+            raise ValueError(f"KV advertise port must be in [1, 65535], got {self.advertise_port}")
         if self.lease_seconds <= 0 or self.push_deadline_seconds <= 0:
             raise ValueError("lease and push deadline must be > 0 seconds")
         if not 4096 <= self.max_chunk_bytes <= MAX_CHUNK_BYTES:
@@ -167,6 +171,7 @@ class KVTransferConfig:
             # A wildcard bind names no address a peer can use: advertise our own.
             advertise_host=args.kv_advertise_host or (
                 own_address() if args.kv_host in WILDCARD_HOSTS else None),
+            advertise_port=args.kv_advertise_port,
             lease_seconds=args.kv_lease_seconds,
             push_deadline_seconds=args.kv_push_deadline_seconds,
             secret=kv_secret_from_env(environ),
@@ -188,6 +193,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="host put in kv_transfer_params and metadata (default: --kv-host; "
                    "with --kv-host 0.0.0.0, this machine's own address: what its hostname "
                    "resolves to, so each replica of a scaled service is reached directly)")
+    g.add_argument("--kv-advertise-port", type=int, default=None,
+                   help="port put in kv_transfer_params and metadata (default: the bound "
+                   "port; set it when peers reach the listener through a forwarder)")
     g.add_argument("--transfer-mode", "--kv-mode", dest="transfer_mode", default=d.mode,
                    choices=TRANSFER_MODES, help="KV transfer mode (part of the compat hash)")
     g.add_argument("--kv-lease-seconds", type=float, default=d.lease_seconds,

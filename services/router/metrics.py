@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.common.task_metrics import AsyncioTaskCollector
 from services.router.pairing import Decision
 from services.router.registry import WorkerRegistry
 from shared.protocol.pd import Role
@@ -67,6 +68,7 @@ class RouterMetrics:
                              registry=r)
         self.groups = Gauge("pdmesh:router_groups", "Compatibility groups", ["servable"],
                             registry=r)
+        r.register(AsyncioTaskCollector())
 
     def observe_decision(self, decision: Decision, whole: str | None, role: Role | None) -> str:
         """Count a request's routing decision (its first attempt); `whole` is why it is served

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from services.common.task_metrics import AsyncioTaskCollector
 from services.worker.engine_client import EngineClient
 from shared.engine.outputs import RequestOutput
 
@@ -93,6 +94,7 @@ class WorkerMetrics:
         self.decode = histogram("request_decode_time_seconds", "Time spent in the decode phase.",
                                 REQUEST_LATENCY_BUCKETS).labels(model_name)
         self.registry.register(EngineStatsCollector(engine, model_name))
+        self.registry.register(AsyncioTaskCollector())
 
     def finished(self, reason: str) -> None:
         self.request_success.labels(self.model_name, reason).inc()

@@ -29,7 +29,8 @@ def test_from_args_reads_the_secret_from_the_given_environment_only() -> None:
 
 @pytest.mark.parametrize("bad", [
     {"role": "mixed"}, {"mode": "teleport"}, {"port": 70000}, {"lease_seconds": 0},
-    {"max_chunk_bytes": 8 * 1024 * 1024}, {"secret": b"short"},
+    {"max_chunk_bytes": 8 * 1024 * 1024}, {"secret": b"short"}, {"advertise_port": 0},
+    {"advertise_port": 70000},
 ])
 def test_invalid_settings_raise(bad: dict) -> None:
     with pytest.raises(ValueError):
@@ -52,3 +53,13 @@ def test_a_wildcard_bind_advertises_this_machines_own_address() -> None:
     assert KVTransferConfig.from_args(parse(), "prefill", {}).public_host == "127.0.0.1"
     explicit = parse("--kv-host", "0.0.0.0", "--kv-advertise-host", "prefill-0.prefill")
     assert KVTransferConfig.from_args(explicit, "prefill", {}).public_host == "prefill-0.prefill"
+
+
+def test_kv_advertise_port_flag() -> None:
+    """A forwarder in front of the KV listener (the chaos harness's proxy) names its own port;
+    without the flag the bound port is advertised (start_server; end to end: tests/chaos)."""
+    assert KVTransferConfig.from_args(parse("--kv-port", "15000"), "prefill", {}
+                                      ).advertise_port is None
+    cfg = KVTransferConfig.from_args(parse("--kv-port", "15000", "--kv-advertise-port", "16000"),
+                                     "prefill", {})
+    assert (cfg.port, cfg.advertise_port) == (15000, 16000)
