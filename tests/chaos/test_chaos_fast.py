@@ -68,8 +68,8 @@ def test_kill9_decode_streams_end_with_an_error_and_the_router_reroutes(rows: di
     assert row.stop_routing_s is not None and row.route_again_s is not None, row
 
 
-@pytest.mark.xfail(strict=True, reason="decode failover lands with branch resil")
 def test_kill9_decode_completed_equals_all(rows: dict) -> None:
+    """Decode failover: every stream on the killed decode moves to the other one."""
     row = rows["kill_decode"]
     assert row.completed == row.sent, row
 
