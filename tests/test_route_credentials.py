@@ -67,6 +67,7 @@ REQUIRED: dict[str, dict[tuple[str, str], str]] = {
         ("POST", "/kv/v1/push/register"): "kv_signature",
         ("POST", "/kv/v1/push/write"): "kv_signature",
         ("POST", "/kv/v1/push/complete"): "kv_signature",
+        ("POST", "/kv/v1/push/keepalive"): "kv_signature",
         ("POST", "/kv/v1/push/abort"): "kv_signature",
     },
 }

@@ -37,6 +37,7 @@ from shared.protocol.messages import (
     PullRequest,
     PushAbort,
     PushComplete,
+    PushKeepalive,
     PushRegister,
     PushWrite,
     ReleaseRequest,
@@ -47,7 +48,7 @@ SERVICE_KEY = web.AppKey("kv_service", KVTransferService)
 M = TypeVar("M", bound=Message)
 # Messages sent by a peer engine after its handshake: all carry the sender's engine_id.
 P = TypeVar("P", PullRequest, ReleaseRequest, HeartbeatRequest, PushRegister, PushWrite,
-            PushComplete, PushAbort)
+            PushComplete, PushKeepalive, PushAbort)
 routes = web.RouteTableDef()
 
 
@@ -181,6 +182,12 @@ async def push_write(request: web.Request) -> web.Response:
 async def push_complete(request: web.Request) -> web.Response:
     service, msg, _ = await _open_peer(request, PushComplete)
     return reply(service.push.decode.complete(msg))
+
+
+@routes.post("/kv/v1/push/keepalive")
+async def push_keepalive(request: web.Request) -> web.Response:
+    service, msg, _ = await _open_peer(request, PushKeepalive)
+    return reply(service.push.decode.keepalive(msg))
 
 
 @routes.post("/kv/v1/push/abort")

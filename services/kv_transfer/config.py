@@ -200,7 +200,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    choices=TRANSFER_MODES, help="KV transfer mode (part of the compat hash)")
     g.add_argument("--kv-lease-seconds", type=float, default=d.lease_seconds,
                    help="how long a prefill holds finished KV blocks without a heartbeat")
-    g.add_argument("--kv-push-deadline-seconds", type=float, default=d.push_deadline_seconds)
+    g.add_argument("--kv-push-deadline-seconds", type=float, default=d.push_deadline_seconds,
+                   help="push mode: a decode gives up a transfer after this long without a "
+                   "block or keepalive from its prefill (a prefill whose prompt is queued "
+                   "keeps it alive), and a prefill waits this long for the decode to register")
     g.add_argument("--kv-allow-incompatible", action="store_true",
                    help="pair with workers whose compat hash differs (logs a loud warning; "
                         "for debugging only)")

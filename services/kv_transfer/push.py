@@ -56,6 +56,7 @@ from shared.protocol.messages import (
     Ack,
     PushAbort,
     PushComplete,
+    PushKeepalive,
     PushRegister,
     PushWrite,
     TokenLogprobWire,
@@ -258,7 +259,7 @@ class _ReceiveSlot:
     block_ids: list[int]
     sink: BlockSink
     done: asyncio.Future[PushComplete]
-    last_write: float = 0.0  # monotonic time of the latest write (restarts the deadline)
+    last_heard: float = 0.0  # monotonic time of the latest write or keepalive (restarts the deadline)
 
 
 class PushDecode:
@@ -283,7 +284,12 @@ class PushDecode:
     def write(self, msg: PushWrite, payload: memoryview) -> Ack:
         slot = self._open(msg.transfer_id, msg.engine_id)
         slot.sink.accept(msg.chunk, payload)
-        slot.last_write = time.monotonic()
+        slot.last_heard = time.monotonic()
+        return Ack()
+
+    def keepalive(self, msg: PushKeepalive) -> Ack:
+        """The prefill holds our registration and its prompt still waits for compute."""
+        self._open(msg.transfer_id, msg.engine_id).last_heard = time.monotonic()
         return Ack()
 
     def complete(self, msg: PushComplete) -> Ack:
@@ -337,7 +343,8 @@ class PushDecode:
         ctx = self.ctx
         node = ctx.identity.node
         reg = PushRegister(node.engine_id, transfer_id, slot.block_ids, num_tokens,
-                           node.kv_host, node.kv_port, ctx.config.tls.enabled)
+                           node.kv_host, node.kv_port, ctx.config.tls.enabled,
+                           ctx.config.push_deadline_seconds)
         await ctx.peers.call(address, "/kv/v1/push/register", reg, Ack)
         done = await self._wait_done(transfer_id, slot)
         if done.num_tokens != num_tokens:
@@ -349,18 +356,18 @@ class PushDecode:
     async def _wait_done(self, transfer_id: str, slot: _ReceiveSlot) -> PushComplete:
         """The completion, or 504 once the prefill was quiet for the whole push deadline."""
         deadline, clock = self.ctx.config.push_deadline_seconds, time.monotonic
-        slot.last_write = clock()
+        slot.last_heard = clock()
         while True:
-            left = slot.last_write + deadline - clock()
+            left = slot.last_heard + deadline - clock()
             if left <= 0:
                 raise GatewayTimeoutError(
                     f"transfer {transfer_id!r}: the prefill sent nothing for {deadline:.1f}s "
-                    "(no block, no completion); pre-allocated blocks freed",
+                    "(no block, no keepalive, no completion); pre-allocated blocks freed",
                     code="kv_push_deadline")
             try:
                 return await asyncio.wait_for(asyncio.shield(slot.done), left)
             except TimeoutError:
-                continue  # a write may have moved the deadline meanwhile
+                continue  # a write or keepalive may have moved the deadline meanwhile
 
     def decline(self, transfer_id: str, prefill_address: str, prefill_engine_id: str | None,
                 reason: str) -> None:

@@ -13,6 +13,11 @@ engine then reports a new epoch and the stream writes everything again from bloc
 decode overwrites the rows and their digests). `finish` also rewrites from 0 when the held
 blocks are not the ones written. Digests are taken from the bytes as sent, per epoch.
 
+Waiting: while the prompt is queued behind other prompts nothing is written, so the task
+sends a keepalive every third of the decode's push deadline; the decode's deadline measures
+silence (a lost prefill leg, a dead process), not a queue. How long a queued prompt may wait
+is the prefill request's business (its client or the router cancels it, which aborts here).
+
 Failure: any error (the decode's abort, a write refused, the deadline, `abort` by the
 prefill's own request ending) ends the task; the decode is told unless it told us. Held
 blocks are the prefill side's business (PushPrefill.send releases them however this ends).
@@ -29,7 +34,14 @@ from services.common.errors import ApiError, ConflictError, GoneError
 from services.kv_transfer.codec import StagingRing, iter_chunks
 from services.kv_transfer.context import KVContext
 from shared.engine.kv_stream import KVProgress
-from shared.protocol.messages import Ack, PushAbort, PushComplete, PushRegister, PushWrite
+from shared.protocol.messages import (
+    Ack,
+    PushAbort,
+    PushComplete,
+    PushKeepalive,
+    PushRegister,
+    PushWrite,
+)
 from shared.protocol.messages import TokenLogprobWire as FirstToken
 from shared.protocol.tensors import RowDigester
 
@@ -183,9 +195,7 @@ class PushStream:
                 elif self._final is not None:
                     return await self._complete(address, self._final)
                 else:
-                    self._idle.set()
-                    self._wake.clear()
-                    await self._wake.wait()
+                    await self._idle_wait(address)
         except BaseException as exc:
             ctx.metrics.failed(self.mode, exc.code if isinstance(exc, ApiError) else type(exc).__name__)
             if self.registration is not None and not self._peer_failed:
@@ -195,6 +205,21 @@ class PushStream:
             if self._ring is not None:  # every slot left was acknowledged: safe to reuse
                 self._ring.close()
                 self._ring = None
+
+    async def _idle_wait(self, address: str) -> None:
+        """Nothing to write until the engine computes more: wait for a poke, and while none
+        comes tell the decode every third of its push deadline that we are alive (a prompt
+        queued behind long prefills is waiting, not lost; only silence is a failure)."""
+        self._idle.set()
+        self._wake.clear()
+        assert self.registration is not None, "idle only after the registration is taken"
+        interval = self.registration.deadline_seconds / 3  # the decode's deadline, not ours
+        while not self._wake.is_set():
+            try:
+                await asyncio.wait_for(self._wake.wait(), interval)
+            except TimeoutError:
+                msg = PushKeepalive(self.ctx.identity.node.engine_id, self.transfer_id)
+                await self.ctx.peers.call(address, "/kv/v1/push/keepalive", msg, Ack)
 
     async def _connect(self, reg: PushRegister) -> str:
         if self.decode_engine_id is not None and reg.engine_id != self.decode_engine_id:

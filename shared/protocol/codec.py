@@ -33,7 +33,7 @@ import msgpack
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-KV_PROTOCOL_VERSION = 4
+KV_PROTOCOL_VERSION = 5
 # Changelog of KV_PROTOCOL_VERSION (bump on any wire or semantic change; it is a compat factor):
 #   1  first version: envelope (hash, version, factors, message); messages {"t","b"}; frames
 #      u32 + header + raw little-endian payload; KV chunks are boxes of the block-major view
@@ -57,6 +57,10 @@ KV_PROTOCOL_VERSION = 4
 #      push_register gained `kv_tls`: the decode's KV listener serves TLS, so the prefill
 #      writes to it over https (kv_transfer_params gained the optional `remote_tls` likewise,
 #      written only when true, so a plain-HTTP mesh's JSON contract is unchanged).
+#   5  push_keepalive: a push prefill whose prompt is still queued tells the decode so every
+#      third of the push deadline, so a long queue on the prefill no longer reads as a dead
+#      prefill (the decode's deadline measures silence, not waiting). A version-4 decode has
+#      no such route; the version mismatch refuses the pairing first.
 
 MAX_CHUNK_BYTES = 4 * 1024 * 1024  # largest raw payload in one frame or push write
 MAX_HEADER_BYTES = 1024 * 1024

@@ -193,7 +193,8 @@ class HeartbeatResult(Message, tag="heartbeat_ok"):
 @dataclass(frozen=True)
 class PushRegister(Message, tag="push_register"):
     """Decode -> prefill: these pre-allocated blocks await the prompt of `transfer_id`;
-    write them to the decode's KV listener at `address` (TLS when `kv_tls`, since version 4)."""
+    write them to the decode's KV listener at `address` (TLS when `kv_tls`, since version 4).
+    The decode gives up after `deadline_seconds` without a write or keepalive (version 5)."""
 
     engine_id: str
     transfer_id: str
@@ -202,6 +203,7 @@ class PushRegister(Message, tag="push_register"):
     kv_host: str
     kv_port: int
     kv_tls: bool = False
+    deadline_seconds: float = 30.0
 
     @property
     def address(self) -> str:
@@ -224,6 +226,15 @@ class PushComplete(Message, tag="push_complete"):
     num_tokens: int
     first_token: TokenLogprobWire
     digests: list[str]
+
+
+@dataclass(frozen=True)
+class PushKeepalive(Message, tag="push_keepalive"):
+    """Prefill -> decode: `transfer_id` is registered and its prompt still waits for compute
+    (queued behind other prompts): restart the decode's push deadline (since version 5)."""
+
+    engine_id: str
+    transfer_id: str
 
 
 @dataclass(frozen=True)

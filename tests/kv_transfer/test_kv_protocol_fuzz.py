@@ -46,7 +46,7 @@ from tests.support.kv import Node, assert_no_leaks, start_node
 SECRET = b"fuzz-secret-of-16+bytes"
 ROUTES = ("/kv/v1/handshake", "/kv/v1/pull", "/kv/v1/release", "/kv/v1/heartbeat",
           "/kv/v1/push/register", "/kv/v1/push/write", "/kv/v1/push/complete",
-          "/kv/v1/push/abort")
+          "/kv/v1/push/keepalive", "/kv/v1/push/abort")
 FAST = settings(max_examples=30, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
 

@@ -166,11 +166,31 @@ async def test_decode_deadline_restarts_with_every_write(nodes) -> None:
     kv = await receive
     assert same_bits(blocks_of(d, kv.block_ids), blocks_of(p, ids))
     await d.store.free(kv.block_ids)
-    # Quiet for longer than the deadline: the decode gives up and frees its blocks.
-    stream2, receive2 = await opened(p, d, "t2")
+    # A prefill leg that never arrives (so nothing keeps the transfer alive) is silent for
+    # longer than the deadline: the decode gives up and frees its blocks.
     with pytest.raises(ApiError) as err:
-        await receive2
+        await d.service.push.decode.receive("t2", p.address, TOKENS)
     assert err.value.code == "kv_push_deadline"
-    with pytest.raises(ApiError):
-        await stream2.task  # told by the decode
+    # Its registration, offered to nobody, is dropped once older than the prefill's ttl.
+    registrations = p.service.push.prefill.registrations
+    registrations.ttl_s = 0.0
+    assert registrations.reap() == 1
+    await assert_no_leaks(p, d)
+
+
+async def test_queued_prompt_outlives_the_decode_deadline(nodes) -> None:
+    """The prefill took the registration but its prompt waits in the engine's queue for
+    several of the decode's deadlines (long prompts ahead of it): keepalives hold the
+    transfer open, and the KV lands intact once the prompt runs."""
+    p = await nodes("prefill", "push")
+    d = await nodes("decode", "push", push_deadline_seconds=0.3)
+    ids = await prefill_request(p, "req", TOKENS)
+    stream, receive = await opened(p, d)
+    await asyncio.sleep(1.2)  # 4 deadlines with no block computed
+    assert not receive.done(), "the decode gave up on a prefill that was alive"
+    assert stream.registration is not None and stream.registration.deadline_seconds == 0.3
+    await p.service.push.prefill.send("t", "req", ids, TOKENS, FIRST, stream=stream)
+    kv = await receive
+    assert same_bits(blocks_of(d, kv.block_ids), blocks_of(p, ids))
+    await d.store.free(kv.block_ids)
     await assert_no_leaks(p, d)
