@@ -4,8 +4,11 @@ The load (`--clients` loops, back to back) mixes short and long prompts, streame
 clients that abort after two tokens, and n=2 requests. Every `--interval` each process of the
 mesh (the router and every worker, found as children of `pdmesh up`) is sampled: RSS, open
 file descriptors, asyncio tasks (`pdmesh:asyncio_tasks` on /metrics) and, for workers, KV
-blocks in use. Two idle samples decide the verdict: one when warm-up ends (load paused,
-in-flight requests drained) and one at the end (load stopped, leases expired):
+blocks in use. Two idle samples decide the verdict, each taken `--settle` after the load
+paused and in-flight requests drained: one when warm-up ends and one at the end. Every pool
+of keep-alive connections (this client's, the router's to workers, the workers' KV links) is
+told to close an idle connection after `--keepalive`, so neither sample counts pooled
+sockets, whose number follows the recent peak concurrency and not a leak:
 
   RSS drift   final / warm-up - 1, per process        goal < 5%
   fds, tasks  final - warm-up, per process             goal <= 2 (flat)
@@ -70,7 +73,9 @@ class UpMesh:
         self.port = free_port()
         cmd = [sys.executable, "-m", "services.cli", "up", "--model", args.model,
                "--prefill", "1", "--decode", "1", "--port", str(self.port), "--threads", "1",
-               "--router-arg=--health-interval=0.5"]
+               "--router-arg=--health-interval=0.5",
+               f"--router-arg=--upstream-keepalive-seconds={args.keepalive}",
+               f"--worker-arg=--kv-keepalive-seconds={args.keepalive}"]
         with log.open("ab") as out:
             self.popen = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                           start_new_session=True,
@@ -185,7 +190,8 @@ async def soak(args: argparse.Namespace, log_dir: Path) -> SoakResult:
     result, counts, active = SoakResult(), Counter[str](), [0]
     mesh = UpMesh(args, log_dir / "up.log")
     try:
-        async with aiohttp.ClientSession() as session:
+        connector = aiohttp.TCPConnector(keepalive_timeout=args.keepalive)
+        async with aiohttp.ClientSession(connector=connector) as session:
             await mesh.wait_ready(session, args.ready_timeout)
             running, stop = asyncio.Event(), asyncio.Event()
             running.set()
@@ -196,6 +202,7 @@ async def soak(args: argparse.Namespace, log_dir: Path) -> SoakResult:
             await asyncio.sleep(args.warmup)
             running.clear()
             await _drain(active, 120)
+            await asyncio.sleep(args.settle)
             result.warm = await sample_all(mesh, session)
             running.set()
             while time.monotonic() - start < args.duration:
@@ -204,7 +211,7 @@ async def soak(args: argparse.Namespace, log_dir: Path) -> SoakResult:
                 print(json.dumps([asdict(s) for s in result.samples[-1]]), flush=True)
             stop.set()
             await asyncio.gather(*loops)
-            await asyncio.sleep(args.settle)  # leases of aborted legs expire
+            await asyncio.sleep(args.settle)  # leases of aborted legs expire, pools empty
             result.final = await sample_all(mesh, session)
     finally:
         mesh.stop()
@@ -250,11 +257,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--settle", type=duration, default=duration("35s"),
                    help="idle time before the final sample (past the KV lease, 30 s)")
     p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--keepalive", type=duration, default=duration("2s"),
+                   help="idle keep-alive of every connection pool in the mesh (aiohttp closes "
+                        "an idle connection within twice this; keep it under --settle / 2)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--log-dir", type=Path, default=None)
     args = p.parse_args(argv)
     if args.warmup >= args.duration:
         p.error("--warmup must be shorter than --duration")
+    if not 0 < 2 * args.keepalive < args.settle:
+        p.error("--keepalive must be > 0 and under --settle / 2")
     return args
 
 

@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="workers' log level (their access logs are at INFO)")
     parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="extra argument for the router (repeatable)")
+    parser.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                        help="extra argument for every worker (repeatable)")
     parser.add_argument("--restart-delay", type=float, default=1.0,
                         help="seconds before restarting a child that exited once the mesh is "
                              "up; doubled on each restart in a row")
@@ -104,7 +106,8 @@ def worker_flags(role: str, args: argparse.Namespace, port: int, kv_port: int,
 
     if role != "mixed" and getattr(args, "kv_require_client_cert", False):
         flags.append("--kv-require-client-cert")
-    return flags + forwarded_flags(args) + tls_flags(args)
+    return flags + forwarded_flags(args) + tls_flags(args) + list(
+        getattr(args, "worker_arg", None) or ())
 
 
 def tls_flags(args: argparse.Namespace) -> list[str]:

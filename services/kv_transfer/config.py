@@ -92,6 +92,7 @@ class KVTransferConfig:
     allow_incompatible: bool = False
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 60.0
+    keepalive_s: float = 15.0  # an idle pooled connection to a peer closes after this
     auth_past_s: float = 30.0
     auth_future_s: float = 5.0
     header_timeout_s: float = 60.0
@@ -112,8 +113,8 @@ class KVTransferConfig:
             raise ValueError(f"KV port must be in [0, 65535], got {self.port}")
         if self.advertise_port is not None and not 1 <= self.advertise_port <= 65535:
             raise ValueError(f"KV advertise port must be in [1, 65535], got {self.advertise_port}")
-        if self.lease_seconds <= 0 or self.push_deadline_seconds <= 0:
-            raise ValueError("lease and push deadline must be > 0 seconds")
+        if self.lease_seconds <= 0 or self.push_deadline_seconds <= 0 or self.keepalive_s <= 0:
+            raise ValueError("lease, push deadline and keepalive must be > 0 seconds")
         if not 4096 <= self.max_chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"max_chunk_bytes must be in [4096, {MAX_CHUNK_BYTES}]")
         if self.layer_partition is not None and len(self.layer_partition) != self.pp_size:
@@ -179,7 +180,7 @@ class KVTransferConfig:
             require_client_cert=args.kv_require_client_cert,
             auth_past_s=args.kv_auth_window_seconds, auth_future_s=args.kv_auth_future_seconds,
             header_timeout_s=args.kv_header_timeout_seconds,
-            body_timeout_s=args.kv_body_timeout_seconds,
+            body_timeout_s=args.kv_body_timeout_seconds, keepalive_s=args.kv_keepalive_seconds,
         )
 
 
@@ -204,6 +205,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="push mode: a decode gives up a transfer after this long without a "
                    "block or keepalive from its prefill (a prefill whose prompt is queued "
                    "keeps it alive), and a prefill waits this long for the decode to register")
+    g.add_argument("--kv-keepalive-seconds", type=float, default=d.keepalive_s,
+                   help="an idle pooled connection to a KV peer is closed after this long")
     g.add_argument("--kv-allow-incompatible", action="store_true",
                    help="pair with workers whose compat hash differs (logs a loud warning; "
                         "for debugging only)")

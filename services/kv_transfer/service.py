@@ -120,7 +120,8 @@ class KVTransferService:
         # resumes reading dozens of times per 4 MiB chunk (~15% of a pull's CPU).
         # TLS peers (https:// addresses) are verified against --tls-ca, and shown this worker's
         # certificate when they require one (mTLS); plain peers ignore the context.
-        connector = aiohttp.TCPConnector(ssl=cfg.tls.client_context())
+        connector = aiohttp.TCPConnector(ssl=cfg.tls.client_context(),
+                                         keepalive_timeout=cfg.keepalive_s)
         self._http = aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
                                            read_bufsize=cfg.max_chunk_bytes, connector=connector)
         self.ctx.peer_client = PeerClient(self.ctx, self._http, cfg.secret, cfg.allow_incompatible)

@@ -50,7 +50,7 @@ def _session(config: RouterConfig, *, total: float | None) -> aiohttp.ClientSess
     timeout = aiohttp.ClientTimeout(total=total, connect=config.connect_timeout_s,
                                     sock_read=None if total else config.request_timeout_s)
     # https:// workers are verified against --tls-ca (hostname checks on); http:// ignore it.
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0,
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=config.upstream_keepalive_s,
                                      ssl=config.tls.client_context())
     return aiohttp.ClientSession(timeout=timeout, connector=connector)
 

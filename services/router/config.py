@@ -227,6 +227,7 @@ class RouterConfig:
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     connect_timeout_s: float = 5.0
+    upstream_keepalive_s: float = 30.0  # an idle pooled connection to a worker closes after this
     request_timeout_s: float = 600.0
     max_body_bytes: int = 32 * 1024 * 1024
     header_timeout_s: float = 60.0
@@ -247,6 +248,8 @@ class RouterConfig:
                 raise ValueError(f"worker URL must start with http:// or https://, got {url!r}")
         if self.disagg_min_tokens < 0 or self.prefix_block_size < 1:
             raise ValueError("disagg_min_tokens must be >= 0 and prefix_block_size >= 1")
+        if self.upstream_keepalive_s <= 0:
+            raise ValueError("--upstream-keepalive-seconds must be > 0")
         if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
             raise ValueError("health interval and timeout must be > 0")
         for origin in self.cors_allow_origins:
@@ -277,7 +280,9 @@ class RouterConfig:
             disagg_min_tokens=args.disagg_min_tokens, tokenizer=TokenizerSource(args.tokenizer),
             early_first_token=not args.no_early_first_token,
             health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
-            request_timeout_s=args.request_timeout, drain_grace_s=args.drain_grace_seconds,
+            request_timeout_s=args.request_timeout,
+            upstream_keepalive_s=args.upstream_keepalive_seconds,
+            drain_grace_s=args.drain_grace_seconds,
             breaker=BreakerConfig(failures=args.breaker_failures, window_s=args.breaker_window,
                                   cooldown_s=args.breaker_cooldown,
                                   successes=args.breaker_successes),
@@ -341,6 +346,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-timeout", type=float, default=d.health_timeout_s)
     parser.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
                         help="seconds a worker may stay silent during a leg")
+    parser.add_argument("--upstream-keepalive-seconds", type=float,
+                        default=d.upstream_keepalive_s,
+                        help="an idle pooled connection to a worker is closed after this long")
     parser.add_argument("--drain-grace-seconds", type=float, default=d.drain_grace_s)
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                         help="a larger request body gets 413 before any byte of it is read")

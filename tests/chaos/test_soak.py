@@ -26,8 +26,8 @@ def test_soak_one_minute_meets_its_goals(make_checkpoint: Callable[..., Path],
                                          tmp_path: Path) -> None:
     model = make_checkpoint(preset="tiny", seed=0)
     args = soak.parse_args(["--model", str(model), "--duration", "60s", "--warmup", "20s",
-                            "--interval", "20s", "--settle", "5s", "--clients", "4",
-                            "--ready-timeout", "300"])
+                            "--interval", "20s", "--settle", "5s", "--keepalive", "1s",
+                            "--clients", "4", "--ready-timeout", "300"])
     result = asyncio.run(soak.soak(args, tmp_path))
 
     # The mix ran: completions and client aborts both happened.

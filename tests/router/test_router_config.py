@@ -31,6 +31,13 @@ def test_secrets_come_from_the_environment_unless_flags_say_otherwise():
     assert _config(["--api-key", "flag"], env).api_keys == ("flag",)
 
 
+def test_upstream_keepalive_reaches_the_config_and_must_be_positive():
+    assert _config([]).upstream_keepalive_s == 30.0
+    assert _config(["--upstream-keepalive-seconds", "1.5"]).upstream_keepalive_s == 1.5
+    with pytest.raises(ValueError, match="--upstream-keepalive-seconds"):
+        _config(["--upstream-keepalive-seconds", "0"])
+
+
 def test_bad_values_are_refused():
     with pytest.raises(ValueError, match="http"):
         _config(["--prefill", "p:1"])

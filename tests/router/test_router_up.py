@@ -245,3 +245,26 @@ def test_up_restarts_a_child_that_exits_with_backoff():
     assert proc.wait(60) == 0
     for pid in pids:
         assert not _alive(pid), f"child {pid} outlived pdmesh up"
+
+
+def test_worker_arg_reaches_every_worker_and_router_arg_the_router():
+    import argparse
+
+    from services.commands import serve, up
+    from services.worker.config import WorkerConfig
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--worker-arg=--kv-keepalive-seconds=2",
+                              "--router-arg=--upstream-keepalive-seconds=3"])
+    worker = argparse.ArgumentParser()
+    serve.add_arguments(worker)
+    for role in ("prefill", "decode"):
+        flags = up.worker_flags(role, args, 8102, 9102, 1)
+        config = WorkerConfig.from_args(worker.parse_args(flags), {})
+        assert config.kv is not None and config.kv.keepalive_s == 2
+    args.serve_cmd = "serve"  # skips the preflight run of a real worker
+    router, *workers = up.plan(args, 2)[0]
+    assert "--upstream-keepalive-seconds=3" in router.argv
+    assert all("--kv-keepalive-seconds=2" in w.argv and "--upstream-keepalive-seconds=3"
+               not in w.argv for w in workers) and len(workers) == 2

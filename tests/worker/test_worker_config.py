@@ -166,6 +166,14 @@ def test_roles_and_kv_flags() -> None:
         WorkerConfig(role=Role.PREFILL)
 
 
+def test_kv_keepalive_flag() -> None:
+    kv = parse(["--role", "decode", "--kv-keepalive-seconds", "2"]).kv
+    assert kv is not None and kv.keepalive_s == 2
+    assert parse(["--role", "decode"]).kv.keepalive_s == 15.0  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="keepalive must be > 0"):
+        parse(["--role", "decode", "--kv-keepalive-seconds", "0"])
+
+
 @pytest.mark.parametrize("text,value", [("4096", 4096), ("256MiB", 256 * 2**20), ("4MB", 4 * 10**6),
                                         ("1.5GiB", int(1.5 * 2**30)), ("2k", 2048), ("10 B", 10)])
 def test_parse_size(text: str, value: int) -> None:
