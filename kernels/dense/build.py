@@ -18,10 +18,11 @@ __all__ = ["NAMESPACE", "RECIPE", "BuildConfig", "BuildResult", "BuildState", "l
 
 CSRC = Path(__file__).parent / "csrc"
 NAMESPACE = "pdmesh_dense"  # extension name and torch.ops namespace
-# ops.cpp: features() and linear(); layer_ops.cpp: the fused decoder layer (kernels/dense/layer.py).
+# ops.cpp: features() and linear(); layer_ops.cpp: the fused decoder layer (kernels/dense/layer.py);
+# decode_team.cpp: a decode step's every layer in one parallel region.
 # Every TU is compiled on every x86-64 CPU: the kernel TUs hold their tier's code in
 # `#pragma GCC target` regions, and the ops check the CPU before calling in.
-SOURCES = ("ops.cpp", "layer_ops.cpp",
+SOURCES = ("ops.cpp", "layer_ops.cpp", "decode_team.cpp",
            "gemv_avx512.cpp", "layer_avx512.cpp", "attend_avx512.cpp",
            "gemv_avx2.cpp", "layer_avx2.cpp", "attend_avx2.cpp")
 RECIPE = Recipe(NAMESPACE, CSRC, SOURCES, Path(__file__), fallback="torch's F.linear")

@@ -142,13 +142,17 @@ class NativeDecoder:
                 and g.num_heads // g.num_kv_heads <= 16 and g.head_dim % 2 == 0)
 
     def decoder_layers(self, h: torch.Tensor, kv_cache: torch.Tensor, cos_sin: torch.Tensor,
-                       tables: StepTables, stack: list[torch.Tensor | None], g: LayerGeometry
-                       ) -> None:
+                       tables: StepTables, stack: list[torch.Tensor | None], g: LayerGeometry,
+                       team: bool = True) -> None:
         """decoder_layer over every layer of kv_cache [L, 2, ...] in one call (one dispatch
-        per step); stack = the layers' LayerWeights.as_list() concatenated, layer 0 first."""
+        per step); stack = the layers' LayerWeights.as_list() concatenated, layer 0 first.
+
+        With `team` (the default), a decode-sized step (T <= 32) of dense layers runs in one
+        parallel region for the whole stack (csrc/decode_team.cpp) instead of one per op; the
+        result is bit-identical, so team=False is the per-op oracle the tests compare with."""
         self._layers(h, kv_cache, cos_sin, tables.block_tables, tables.context_lens,
                      tables.query_start, stack, g.num_heads, g.num_kv_heads, g.rms_norm_eps,
-                     g.scale, self._path_id, self.mxfp4_path)
+                     g.scale, self._path_id, self.mxfp4_path, team)
 
     def rope_attention(self, qkv: torch.Tensor, kv_layer: torch.Tensor, cos_sin: torch.Tensor,
                        tables: StepTables, g: LayerGeometry) -> torch.Tensor:

@@ -273,6 +273,29 @@ def test_threads_do_not_change_results(native: NativeDecoder, arch: str,
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_team_equals_the_per_op_driver(native: NativeDecoder, arch: str, threads: int,
+                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Decode-sized steps run every layer in one parallel region (csrc/decode_team.cpp); the
+    per-op driver (a region per projection, norm and attention) is its oracle: bit for bit,
+    on decode rows, a 24-row first step (the blocked GEMV tiles) and a mixed step."""
+    model = load_model(_checkpoint(arch, tmp_path_factory.getbasetemp()), "bfloat16")[0]
+    dense.accelerate_linears(model, native.path.backend)
+    assert model.use_native(native) == model.num_local_layers
+    per_op = native.decoder_layers
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        team = _run(model, SMALL_STEPS)
+        native.decoder_layers = lambda *a: per_op(*a, team=False)  # type: ignore[method-assign]
+        oracle = _run(model, SMALL_STEPS)
+    finally:
+        native.decoder_layers = per_op  # type: ignore[method-assign]
+        torch.set_num_threads(saved)
+    assert torch.equal(team, oracle)
+
+
 def test_use_native_refuses_fp32(native: NativeDecoder, tmp_path_factory: pytest.TempPathFactory
                                  ) -> None:
     model = load_model(_checkpoint("llama", tmp_path_factory.getbasetemp()), "float32")[0]

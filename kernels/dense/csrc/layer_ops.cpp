@@ -35,6 +35,7 @@
 
 #include "dense.h"
 #include "layer.h"
+#include "layer_ops.h"
 
 namespace pdmesh_dense {
 
@@ -43,7 +44,6 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w,
 
 namespace {
 
-constexpr int64_t kGemvMaxRows = 32;  // more rows (prefill): torch's GEMM (oneDNN) instead
 constexpr int64_t kRowGrain = 8;      // rows per parallel chunk of the elementwise kernels
 constexpr int64_t kMinKeysPerChunk = 4096;  // attention: (row, kv head, key) triples per chunk
 
@@ -51,6 +51,8 @@ constexpr LayerKernels kAvx512{rms_norm_avx512, add_inplace_avx512, silu_mul_avx
                                rope_store_avx512, attend_avx512};
 constexpr LayerKernels kAvx2{rms_norm_avx2, add_inplace_avx2, silu_mul_avx2, rope_store_avx2,
                              attend_avx2};
+
+}  // namespace
 
 // The kernels of code path `path`; raises if this CPU cannot run them.
 const LayerKernels& kernels_for(int64_t path) {
@@ -69,13 +71,6 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, i
               "dense layer: ", name, " must be a contiguous CPU ", c10::toString(dtype),
               " tensor with ", dim, " dims");
 }
-
-// One step's validated metadata; token_seq backs args.token_seq.
-struct Step {
-  std::vector<int32_t> token_seq;
-  StepArgs args{};
-  int64_t rows = 0, max_context = 0;
-};
 
 Step make_step(const at::Tensor& tables, const at::Tensor& ctx, const at::Tensor& qs,
                int64_t rows, const at::Tensor& kv, int64_t table_positions) {
@@ -108,6 +103,8 @@ Step make_step(const at::Tensor& tables, const at::Tensor& ctx, const at::Tensor
   return s;
 }
 
+namespace {
+
 // RoPE + cache write, then attention: qkv [T, (H + 2 KVH) D] -> [T, H D].
 at::Tensor attention_core(const LayerKernels& k, const at::Tensor& qkv, at::Tensor& kv,
                           const at::Tensor& cos_sin, const Step& s, int64_t heads,
@@ -133,6 +130,8 @@ at::Tensor attention_core(const LayerKernels& k, const at::Tensor& qkv, at::Tens
   return out;
 }
 
+}  // namespace
+
 void check_geometry(const at::Tensor& qkv, const at::Tensor& kv, const at::Tensor& cos_sin,
                     int64_t heads, int64_t kv_heads) {
   check_tensor(qkv, "qkv", at::kBFloat16, 2);
@@ -146,6 +145,8 @@ void check_geometry(const at::Tensor& qkv, const at::Tensor& kv, const at::Tenso
               "dense layer: qkv / cos_sin widths do not match the head geometry");
 }
 
+namespace {
+
 at::Tensor rope_attention(const at::Tensor& qkv, at::Tensor kv, const at::Tensor& cos_sin,
                           const at::Tensor& tables, const at::Tensor& ctx, const at::Tensor& qs,
                           int64_t heads, int64_t kv_heads, double scale, int64_t path) {
@@ -154,31 +155,6 @@ at::Tensor rope_attention(const at::Tensor& qkv, at::Tensor kv, const at::Tensor
   const Step s = make_step(tables, ctx, qs, qkv.size(0), kv, cos_sin.size(0));
   return attention_core(k, qkv, kv, cos_sin, s, heads, kv_heads, scale);
 }
-
-// One projection's parameters: dense bf16 w [n, k] (scales empty), or MXFP4 with w = blocks
-// uint8 [n, k/32, 16] and scales uint8 [n, k/32]; bias [n] optional (fp32 for MXFP4).
-struct Proj {
-  at::Tensor w;
-  std::optional<at::Tensor> scales, bias;
-
-  int64_t in_features() const { return scales ? w.size(1) * 32 : w.size(1); }
-  int64_t out_features() const { return w.size(0); }
-};
-
-// One layer's parameters (contiguous) and the model's head layout.
-struct Block {
-  at::Tensor ln1, ln2;
-  Proj qkv, o, gate_up, down;
-};
-
-struct Heads {
-  int64_t heads, kv_heads;
-  float eps;
-  double scale;
-  int64_t path;        // dense code path (ops.cpp linear, and `kernels`)
-  int64_t mxfp4_path;  // the MXFP4 library's code path for packed projections
-  const LayerKernels* kernels;  // path's elementwise and attention kernels
-};
 
 // The MXFP4 library's fused linear, found through the dispatcher: that library is built and
 // loaded on its own (kernels/mxfp4), and is loaded whenever a model holds MXFP4 weights.
@@ -236,17 +212,26 @@ at::Tensor silu_mul_rows(const LayerKernels& k, const at::Tensor& gu) {
   return act;
 }
 
-// h [T, hidden] <- the whole pre-norm block, in place; s was validated against this cache.
-void run_block(at::Tensor& h, at::Tensor kv, const at::Tensor& cos_sin, const Step& s,
-               const Block& w, const Heads& g) {
+}  // namespace
+
+void check_block(const Block& w, int64_t hidden, const at::Tensor& kv, const Heads& g) {
   check_tensor(w.ln1, "ln1", at::kBFloat16, 1);
   check_tensor(w.ln2, "ln2", at::kBFloat16, 1);
-  const int64_t rows = h.size(0), hidden = h.size(1), inter = w.down.in_features();
+  const int64_t inter = w.down.in_features();
   TORCH_CHECK(w.ln1.size(0) == hidden && w.ln2.size(0) == hidden &&
                   w.qkv.in_features() == hidden && w.o.out_features() == hidden &&
                   w.gate_up.in_features() == hidden && w.gate_up.out_features() == 2 * inter &&
                   w.down.out_features() == hidden && w.o.in_features() == g.heads * kv.size(4),
               "dense layer: weight shapes do not match hidden / intermediate sizes");
+}
+
+namespace {
+
+// h [T, hidden] <- the whole pre-norm block, in place; s was validated against this cache.
+void run_block(at::Tensor& h, at::Tensor kv, const at::Tensor& cos_sin, const Step& s,
+               const Block& w, const Heads& g) {
+  const int64_t rows = h.size(0), hidden = h.size(1);
+  check_block(w, hidden, kv, g);
   const LayerKernels& k = *g.kernels;
   at::Tensor xn = at::empty({rows, hidden}, h.options());
   rms_norm_rows(k, h, w.ln1, g.eps, xn);
@@ -259,7 +244,7 @@ void run_block(at::Tensor& h, at::Tensor kv, const at::Tensor& cos_sin, const St
   add_rows(k, h, project(silu_mul_rows(k, gu), w.down, g));
 }
 
-constexpr int64_t kWeightsPerLayer = 14;  // ln1, ln2, 4 x (weight, scales, bias)
+}  // namespace
 
 // Layer i's entries of the flat weights list, in decoder_layers' order.
 Block layer_block(const c10::List<std::optional<at::Tensor>>& weights, int64_t i) {
@@ -285,12 +270,14 @@ Block layer_block(const c10::List<std::optional<at::Tensor>>& weights, int64_t i
   return Block{need(0), need(1), proj(2), proj(5), proj(8), proj(11)};
 }
 
+namespace {
+
 // Every layer of the cache in turn (see the header comment for the weights layout).
 void decoder_layers(at::Tensor h, at::Tensor kv_cache, const at::Tensor& cos_sin,
                     const at::Tensor& tables, const at::Tensor& ctx, const at::Tensor& qs,
                     const c10::List<std::optional<at::Tensor>>& weights, int64_t heads,
                     int64_t kv_heads, double eps, double scale, int64_t path,
-                    int64_t mxfp4_path) {
+                    int64_t mxfp4_path, bool team) {
   check_tensor(h, "h", at::kBFloat16, 2);
   check_tensor(kv_cache, "kv_cache", at::kBFloat16, 6);
   const int64_t layers = kv_cache.size(0);
@@ -299,9 +286,17 @@ void decoder_layers(at::Tensor h, at::Tensor kv_cache, const at::Tensor& cos_sin
   const Step s = make_step(tables, ctx, qs, h.size(0), kv_cache[0], cos_sin.size(0));
   const Heads g{heads, kv_heads, static_cast<float>(eps), scale, path, mxfp4_path,
                 &kernels_for(path)};
-  for (int64_t i = 0; i < layers; ++i) {
-    run_block(h, kv_cache[i], cos_sin, s, layer_block(weights, i), g);
+  std::vector<Block> blocks;
+  blocks.reserve(layers);
+  for (int64_t i = 0; i < layers; ++i) blocks.push_back(layer_block(weights, i));
+  const bool dense = std::none_of(blocks.begin(), blocks.end(), [](const Block& b) {
+    return b.qkv.scales || b.o.scales || b.gate_up.scales || b.down.scales;
+  });
+  if (team && dense && h.size(0) <= kGemvMaxRows) {
+    decode_team(h, kv_cache, cos_sin, s, blocks, g);  // one parallel region for every layer
+    return;
   }
+  for (int64_t i = 0; i < layers; ++i) run_block(h, kv_cache[i], cos_sin, s, blocks[i], g);
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& y) {
@@ -351,7 +346,7 @@ TORCH_LIBRARY_FRAGMENT(pdmesh_dense, m) {
   m.def(
       "decoder_layers(Tensor(a!) h, Tensor(b!) kv_cache, Tensor cos_sin, Tensor block_tables, "
       "Tensor context_lens, Tensor query_start, Tensor?[] weights, int num_heads, "
-      "int num_kv_heads, float eps, float scale, int path, int mxfp4_path) -> ()",
+      "int num_kv_heads, float eps, float scale, int path, int mxfp4_path, bool team=True) -> ()",
       &pdmesh_dense::decoder_layers);
   m.def("rms_norm(Tensor x, Tensor w, float eps, int path) -> Tensor",
         &pdmesh_dense::rms_norm_op);
