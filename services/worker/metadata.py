@@ -6,6 +6,7 @@ worker reports those as null (it never exchanges KV). `engine_id` is also the KV
 engine id. `kv_cache.num_held_blocks` counts blocks the engine keeps for a peer. `kernels` is
 the kernel ladder as this process runs it (shared.kernel_tiers): the CPU's tier, the cap, each
 library's active tier and backend, and the configured `kernel_tier` ("requested").
+`memory` gives the bytes of the model's tensors and of the KV cache.
 `parsers` names the tool-call and reasoning parsers its chat output is read with (a router
 must not stream raw text ahead of a worker that parses it).
 """
@@ -48,6 +49,9 @@ def build_metadata(config: WorkerConfig, engine: EngineClient, in_flight: int,
             "capacity_tokens": stats.num_total_blocks * stats.block_size,
             "num_held_blocks": getattr(stats, "num_held_blocks", 0),
         },
+        # Bytes the engine allocated; a process's RSS adds the Python/torch runtime to these
+        # (benchmarks/memory.py measures both).
+        "memory": {"weights_bytes": stats.weights_bytes, "kv_cache_bytes": stats.kv_cache_bytes},
         "load": {
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,

@@ -294,7 +294,8 @@ class LLMEngine:
     # ---- misc ------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         kv = self.kv
-        guard = self.runner.logits_guard if isinstance(self.runner, ModelRunner) else None
+        runner = self.runner if isinstance(self.runner, ModelRunner) else None
+        guard = runner.logits_guard if runner else None
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_blocks,
@@ -302,7 +303,9 @@ class LLMEngine:
             prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
             block_size=kv.block_size, num_held_blocks=kv.num_held_blocks,
             num_non_finite_logits=guard.num_non_finite if guard else 0,
-            non_finite_logits_at=guard.last_non_finite_at if guard else None)
+            non_finite_logits_at=guard.last_non_finite_at if guard else None,
+            weights_bytes=runner.weights_bytes if runner else 0,
+            kv_cache_bytes=runner.kv_cache.nbytes if runner else 0)
 
     def warmup(self) -> None:
         """Run one short request through every component, then forget it (cache, counters)."""

@@ -107,6 +107,7 @@ class ModelRunner:
         # zeros, not empty: padded attention slots read block 0, and 0 * NaN garbage would
         # poison the softmax-weighted sum even where the mask gives weight 0.
         self.kv_cache = torch.zeros(geometry.cache_shape(self.num_blocks), dtype=geometry.dtype)
+        self.weights_bytes = tensor_bytes(model)
         self.sampler = Sampler(config.seed)
         self.logits_guard = LogitsGuard()
         # Test-only: when set, called with every batch before its forward, on the engine
@@ -147,3 +148,11 @@ class ModelRunner:
         for j in bad_rows:
             tokens[rows[j]] = logprobs[rows[j]] = None
         return RunnerOutput(tokens, logprobs, tuple(rows[j] for j in bad_rows))
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (packed MXFP4 blocks, RoPE tables), each
+    storage counted once: a tied LM head and its embedding share one."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*module.parameters(), *module.buffers())}
+    return sum(storages.values())

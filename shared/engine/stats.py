@@ -27,3 +27,7 @@ class EngineStats:
     # and the monotonic time of the latest (None if none since the last clean sampling step).
     num_non_finite_logits: int = 0
     non_finite_logits_at: float | None = None
+    # What the engine allocated for the model's tensors and the KV cache (fixed after start;
+    # 0 where an engine does not hold them, e.g. a test stand-in).
+    weights_bytes: int = 0
+    kv_cache_bytes: int = 0

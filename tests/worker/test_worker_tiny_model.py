@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -217,3 +218,23 @@ async def test_resumed_request_continues_the_output(server: WorkerThread) -> Non
                               json={**body, RESUME_FIELD: ids[:2], **bad}) as resp:
                 assert resp.status == 400, bad
                 assert (await resp.json())["error"]["param"] == RESUME_FIELD, bad
+
+
+async def test_metadata_reports_the_weights_and_kv_cache_bytes(server: WorkerThread,
+                                                               tiny_dir: Path) -> None:
+    from safetensors import safe_open
+
+    async with aiohttp.ClientSession() as session:
+        meta = await metadata(session, server.url)
+    mem, cfg = meta["memory"], json.loads((tiny_dir / "config.json").read_text())
+    # KV: every block holds K and V of every layer, fp32 here, within the configured budget.
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    block_bytes = (cfg["num_hidden_layers"] * 2 * meta["block_size"] * cfg["num_key_value_heads"]
+                   * head_dim * 4)
+    assert mem["kv_cache_bytes"] == meta["kv_cache"]["num_total_blocks"] * block_bytes <= KV_BYTES
+    # Weights: the checkpoint's tensors in fp32 (a tied head counted once), plus the RoPE
+    # tables, which are far smaller than one layer.
+    with safe_open(str(tiny_dir / "model.safetensors"), "pt") as f:
+        names = [n for n in f.keys() if not (cfg.get("tie_word_embeddings") and n == "lm_head.weight")]
+        checkpoint = sum(math.prod(f.get_slice(n).get_shape()) for n in names) * 4
+    assert checkpoint <= mem["weights_bytes"] < checkpoint * 1.1
