@@ -95,6 +95,12 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_kv_heads})")
+        self.rope.check_head_dim(self.head_dim)
+        if self.rope.partial_rotary_factor != 1.0:
+            # The native RoPE/attention kernels rotate the whole head; refuse rather than
+            # serve a half-rotated model.
+            raise ValueError(f"partial_rotary_factor={self.rope.partial_rotary_factor} is not "
+                             "supported by this decoder yet")
 
     @property
     def model_type(self) -> str:
