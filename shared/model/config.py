@@ -20,6 +20,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",  # fused qkv_proj/gate_up_proj load as-is; longrope in rope.py
 }
 _BY_MODEL_TYPE = {v: k for k, v in ARCHITECTURES.items()}
 
@@ -33,6 +34,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                 "num_key_value_heads": 8, "sliding_window": 4096},
     "qwen3": {"max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
               "num_key_value_heads": 32, "sliding_window": 4096, "head_dim": 128},
+    "phi3": {"max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 32000,
+             "rms_norm_eps": 1e-5, "sliding_window": None},
 }
 _COMMON_DEFAULTS: dict[str, Any] = {
     "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
@@ -95,6 +98,12 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_kv_heads})")
+        self.rope.check_head_dim(self.head_dim)
+        if self.rope.partial_rotary_factor != 1.0:
+            # The native RoPE/attention kernels rotate the whole head; refuse rather than
+            # serve a half-rotated model.
+            raise ValueError(f"partial_rotary_factor={self.rope.partial_rotary_factor} is not "
+                             "supported by this decoder yet")
 
     @property
     def model_type(self) -> str:
@@ -196,8 +205,8 @@ def _refuse_sliding_window(model_type: str, cfg: Mapping[str, Any], max_pos: int
         start = int(cfg.get("max_window_layers", 28))
         if cfg.get("use_sliding_window") and int(cfg["num_hidden_layers"]) > start:
             layer_types = ["sliding_attention"]
-    elif model_type == "mistral" and not layer_types:
-        layer_types = ["sliding_attention"]  # HF Mistral applies sliding_window to every layer
+    elif model_type in ("mistral", "phi3") and not layer_types:
+        layer_types = ["sliding_attention"]  # HF Mistral/Phi3 apply sliding_window to every layer
     sliding = "sliding_attention" in layer_types
     if sliding and window is not None and int(window) < max_pos:
         raise ValueError(

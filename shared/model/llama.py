@@ -57,6 +57,12 @@ _LAYER_PARAMS: dict[str, tuple[str, int | None]] = {
     "input_layernorm.weight": ("input_layernorm.weight", None),
     "post_attention_layernorm.weight": ("post_attention_layernorm.weight", None),
 }
+# Phi-3 stores q/k/v and gate/up already fused, in our order ([q; k; v], [gate; up]).
+_PHI3_PARAMS: dict[str, tuple[str, int | None]] = {
+    **{k: v for k, v in _LAYER_PARAMS.items() if v[1] is None},
+    "self_attn.qkv_proj.weight": ("self_attn.qkv_proj.weight", None),
+    "mlp.gate_up_proj.weight": ("mlp.gate_up_proj.weight", None),
+}
 # Multimodal checkpoints prefix the language model; these rewrite to the plain layout.
 _PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
              ("language_model.lm_head.", "lm_head."))
@@ -375,8 +381,9 @@ class LlamaForCausalLM(nn.Module):
             else:
                 out.setdefault(hf_name, []).append((target, part))
 
+        params = _PHI3_PARAMS if self.config.model_type == "phi3" else _LAYER_PARAMS
         for local, layer in enumerate(range(self.start, self.end)):
-            for suffix, (param, part) in _LAYER_PARAMS.items():
+            for suffix, (param, part) in params.items():
                 if f"layers.{local}.{param}" in targets:
                     add(f"model.layers.{layer}.{suffix}", f"layers.{local}.{param}", part)
         if self.is_first:

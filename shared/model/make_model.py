@@ -169,11 +169,22 @@ def random_weights(spec: ModelSpec, cfg: dict[str, Any]) -> dict[str, torch.Tens
         w[p + "mlp.up_proj.weight"] = proj(inter, hidden)
         w[p + "mlp.down_proj.weight"] = proj(hidden, inter)
     w["model.norm.weight"] = 1.0 + normal(hidden, std=0.1)
+    if spec.arch == "phi3":
+        _fuse_phi3(w, cfg["num_hidden_layers"])
     if not cfg["tie_word_embeddings"]:
         w["lm_head.weight"] = proj(rows, hidden)
         w["lm_head.weight"][VOCAB_SIZE:] *= spec.padding_head_scale
     dtype = torch.float32 if spec.dtype == "float32" else torch.bfloat16
     return {k: v.to(dtype).contiguous() for k, v in w.items()}
+
+
+def _fuse_phi3(w: dict[str, torch.Tensor], layers: int) -> None:
+    """Phi-3 stores [q; k; v] as qkv_proj and [gate; up] as gate_up_proj (in place)."""
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for fused, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                             ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))):
+            w[p + fused + ".weight"] = torch.cat([w.pop(p + part + ".weight") for part in parts])
 
 
 def write_checkpoint(out_dir: Path, spec: ModelSpec, tokenizer_dir: Path | None) -> Path:

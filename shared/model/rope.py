@@ -2,8 +2,13 @@
 
 Supported scalings (HF transformers semantics): `default`, `linear` (frequencies / factor),
 `dynamic` (NTK-aware, base grows with the sequence length past `max_position_embeddings`) and
-`llama3` (low frequencies / factor, a smooth ramp in between). Anything else (yarn, longrope,
-mrope, partial rotary) is refused rather than approximated.
+`llama3` (low frequencies / factor, a smooth ramp in between) and `longrope` (Phi-3: per-frequency
+`short_factor`/`long_factor` divisors, cos/sin scaled by the attention factor). Anything else (yarn,
+mrope) is refused rather than approximated. `partial_rotary_factor` is parsed here; the decoder
+refuses it until it rotates only the first `rotary_dim` channels.
+
+LongRoPE, like dynamic NTK below, is made per position: position p uses the long factors when
+`p + 1 > original_max_position_embeddings`, i.e. HF's decode path token for token.
 
 Dynamic NTK, exactly: HF recomputes the base from `seq_len = max(position) + 1` of each forward
 call. During incremental decoding that is `p + 1` for the token at position p, so we give every
@@ -31,9 +36,11 @@ class RopeType(Enum):
     LINEAR = "linear"
     DYNAMIC = "dynamic"
     LLAMA3 = "llama3"
+    LONGROPE = "longrope"
 
 
-_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                 "short_factor", "long_factor", "attention_factor", "partial_rotary_factor")
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,26 @@ class RopeConfig:
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
     original_max_position_embeddings: int | None = None
+    short_factor: tuple[float, ...] | None = None  # LONGROPE only: [rotary_dim/2] divisors
+    long_factor: tuple[float, ...] | None = None
+    attention_factor: float = 1.0  # multiplies cos and sin (HF's attention_scaling)
+    partial_rotary_factor: float = 1.0  # fraction of head_dim that is rotated
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """Channels rotated per head (HF: int(head_dim * partial_rotary_factor))."""
+        return int(head_dim * self.partial_rotary_factor)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise when the factor lists do not fit this head size (needs head_dim, so not in
+        __post_init__)."""
+        dim = self.rotary_dim(head_dim)
+        if dim % 2 or dim <= 0:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} gives rotary dim {dim}, "
+                             "which must be even and positive")
+        for name in ("short_factor", "long_factor"):
+            got = getattr(self, name)
+            if got is not None and len(got) != dim // 2:
+                raise ValueError(f"rope {name} has {len(got)} entries, expected rotary_dim/2 = {dim // 2}")
 
     def __post_init__(self) -> None:
         if self.theta <= 0:
@@ -63,6 +90,15 @@ class RopeConfig:
                 raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
             if not self.original_max_position_embeddings:
                 raise ValueError("llama3 rope scaling needs original_max_position_embeddings")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        if self.type is RopeType.LONGROPE:
+            if self.short_factor is None or self.long_factor is None:
+                raise ValueError("longrope rope scaling needs short_factor and long_factor")
+            if len(self.short_factor) != len(self.long_factor):
+                raise ValueError("longrope short_factor and long_factor differ in length")
+            if not self.original_max_position_embeddings:
+                raise ValueError("longrope rope scaling needs original_max_position_embeddings")
 
     def as_dict(self) -> dict[str, Any]:
         """Canonical, JSON-friendly form (for the compatibility hash and logs)."""
@@ -87,27 +123,57 @@ class RopeConfig:
         fields = {**legacy, **modern}
         rope_type = _parse_type(fields.pop("type", None))
         theta = float(fields.get("theta", 10000.0))
+        prf = _agree(fields, cfg, "partial_rotary_factor")
+        partial = 1.0 if prf is None else float(prf)
         if rope_type is RopeType.DEFAULT:
-            return RopeConfig(theta=theta)
+            return RopeConfig(theta=theta, partial_rotary_factor=partial)
+        orig = _agree(fields, cfg, "original_max_position_embeddings")
+        if rope_type is RopeType.LONGROPE:
+            return _longrope(fields, theta, partial, int(orig or max_position_embeddings),
+                             max_position_embeddings)
         if "factor" not in fields:
             raise ValueError(f"rope scaling {rope_type.value!r} needs a 'factor'")
         if rope_type is not RopeType.LLAMA3:
-            return RopeConfig(theta=theta, type=rope_type, factor=float(fields["factor"]))
-        # HF: a top-level original_max_position_embeddings (Phi-3 style) also counts;
-        # absent everywhere, it defaults to max_position_embeddings.
-        orig, top = fields.get("original_max_position_embeddings"), cfg.get("original_max_position_embeddings")
-        if orig is not None and top is not None and int(orig) != int(top):
-            raise ValueError(
-                f"original_max_position_embeddings disagrees: {top} (top level) vs {orig} (rope block)")
-        orig = next((v for v in (orig, top) if v is not None), max_position_embeddings)
+            return RopeConfig(theta=theta, type=rope_type, factor=float(fields["factor"]),
+                              partial_rotary_factor=partial)
         return RopeConfig(
             theta=theta,
             type=rope_type,
             factor=float(fields["factor"]),
             low_freq_factor=_opt_float(fields.get("low_freq_factor")),
             high_freq_factor=_opt_float(fields.get("high_freq_factor")),
-            original_max_position_embeddings=int(orig),
+            original_max_position_embeddings=int(orig or max_position_embeddings),
+            partial_rotary_factor=partial,
         )
+
+
+def _agree(fields: Mapping[str, Any], cfg: Mapping[str, Any], key: str) -> Any:
+    """A key that HF also reads at the config's top level (Phi-3 style): both places must agree."""
+    inner, top = fields.get(key), cfg.get(key)
+    if inner is not None and top is not None and float(inner) != float(top):
+        raise ValueError(f"{key} disagrees: {top} (top level) vs {inner} (rope block)")
+    return inner if inner is not None else top
+
+
+def _longrope(fields: Mapping[str, Any], theta: float, partial: float, orig: int,
+              max_pos: int) -> RopeConfig:
+    """HF's _compute_longrope_parameters: factor defaults to max/original positions, and the
+    attention factor to sqrt(1 + ln(factor) / ln(original)) (1.0 when factor <= 1)."""
+    factor = float(fields["factor"]) if fields.get("factor") is not None else max_pos / orig
+    attn = fields.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    lists: dict[str, tuple[float, ...]] = {}
+    for key in ("short_factor", "long_factor"):
+        v = fields.get(key)
+        if not isinstance(v, list | tuple) or not v:
+            raise ValueError(f"longrope rope scaling needs a non-empty list {key!r}, got {v!r}")
+        lists[key] = tuple(float(x) for x in v)
+    # factor itself only feeds the attention factor; kept for the compat hash.
+    return RopeConfig(theta=theta, type=RopeType.LONGROPE, factor=factor,
+                      original_max_position_embeddings=orig, attention_factor=float(attn),
+                      partial_rotary_factor=partial, short_factor=lists["short_factor"],
+                      long_factor=lists["long_factor"])
 
 
 def _opt_float(v: Any) -> float | None:
@@ -130,9 +196,6 @@ def _fields_from(block: Any, theta: Any, where: str) -> dict[str, Any]:
     kind = block.get("rope_type", block.get("type"))
     if kind is not None:
         out["type"] = str(kind)
-    prf = block.get("partial_rotary_factor")
-    if prf is not None and float(prf) != 1.0:
-        raise ValueError(f"partial_rotary_factor={prf} is not supported")
     for key in _SCALING_KEYS:
         if block.get(key) is not None:
             out[key] = block[key]
@@ -153,9 +216,17 @@ def base_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
     return 1.0 / (theta ** exponent)
 
 
-def scaled_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """[head_dim/2] float32 inverse frequencies for positions below max_position_embeddings."""
-    inv = base_inv_freq(rope.theta, head_dim)
+def scaled_inv_freq(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.Tensor:
+    """[rotary_dim/2] float32 inverse frequencies for positions below max_position_embeddings
+    (LONGROPE: below original_max_position_embeddings, or past it when `long`)."""
+    dim = rope.rotary_dim(head_dim)
+    if rope.type is RopeType.LONGROPE:
+        ext = rope.long_factor if long else rope.short_factor
+        assert ext is not None
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+        # Same operation order as HF: 1 / (ext * base ** exponent).
+        return 1.0 / (torch.tensor(ext, dtype=torch.float32) * rope.theta ** exponent)
+    inv = base_inv_freq(rope.theta, dim)
     if rope.type is RopeType.LINEAR:
         return inv / rope.factor
     if rope.type is RopeType.LLAMA3:
@@ -177,9 +248,14 @@ def _llama3(inv: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 def rope_angles(rope: RopeConfig, head_dim: int, max_position_embeddings: int,
                 num_positions: int) -> torch.Tensor:
-    """[num_positions, head_dim/2] float32 angles `position * inv_freq` for positions 0..n-1."""
+    """[num_positions, rotary_dim/2] float32 angles `position * inv_freq` for positions 0..n-1."""
     pos = torch.arange(num_positions, dtype=torch.int64).to(torch.float32)
     angles = pos[:, None] * scaled_inv_freq(rope, head_dim)[None, :]
+    orig = rope.original_max_position_embeddings
+    if rope.type is RopeType.LONGROPE and orig is not None and num_positions > orig:
+        # Position p is computed with seq_len = p + 1 > orig: the long factors.
+        angles[orig:] = pos[orig:, None] * scaled_inv_freq(rope, head_dim, long=True)[None, :]
+    head_dim = rope.rotary_dim(head_dim)  # dynamic NTK below grows the base over the rotated dims
     if rope.type is RopeType.DYNAMIC and num_positions > max_position_embeddings:
         # Rows past the original context: base for seq_len = p + 1 (see the module docstring),
         # in float32 like HF's tensor arithmetic.
@@ -205,11 +281,13 @@ class RotaryEmbedding:
                  dtype: torch.dtype, initial_positions: int = 4096) -> None:
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        rope.check_head_dim(head_dim)
         self.rope = rope
         self.head_dim = head_dim
+        self.rotary_dim = rope.rotary_dim(head_dim)
         self.max_position_embeddings = max_position_embeddings
         self.dtype = dtype
-        self._cos_sin = torch.empty(0, head_dim, dtype=dtype)  # [P, D]: cos | sin halves
+        self._cos_sin = torch.empty(0, self.rotary_dim, dtype=dtype)  # [P, R]: cos | sin halves
         self._ensure(min(initial_positions, max_position_embeddings))
 
     @property
@@ -221,24 +299,33 @@ class RotaryEmbedding:
             return
         size = max(n, 2 * self.num_positions, 1)
         angles = rope_angles(self.rope, self.head_dim, self.max_position_embeddings, size)
-        self._cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1).to(self.dtype)
+        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        if self.rope.attention_factor != 1.0:
+            cos_sin = cos_sin * self.rope.attention_factor  # HF: cos/sin * attention_scaling, fp32
+        self._cos_sin = cos_sin.to(self.dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] long -> (cos, sin), each [T, 1, D/2], broadcastable over heads."""
+        """positions [T] long -> (cos, sin), each [T, 1, R/2], broadcastable over heads."""
         if positions.numel():
             self._ensure(int(positions.max()) + 1)
-        cs = self._cos_sin[positions].unsqueeze(1)  # [T, 1, D]
+        cs = self._cos_sin[positions].unsqueeze(1)  # [T, 1, R]
         cos, sin = cs.chunk(2, dim=-1)
         return cos, sin
 
     def table(self, num_positions: int) -> torch.Tensor:
-        """The whole table [P >= num_positions, D] (cos | sin halves, model dtype), for native
+        """The whole table [P >= num_positions, R] (cos | sin halves, model dtype), for native
         RoPE kernels that index it by position themselves."""
         self._ensure(num_positions)
         return self._cos_sin
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, N, D] (HF's rotate-half layout); returns a new contiguous tensor."""
+        """Rotate x [T, N, D] (HF's rotate-half layout) over its first R = 2 * cos.shape[-1]
+        channels, passing the rest through (partial rotary); returns a new contiguous tensor."""
+        rot = 2 * cos.shape[-1]
+        if rot != x.shape[-1]:
+            head, tail = x[..., :rot], x[..., rot:]
+            x1, x2 = head.chunk(2, dim=-1)
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, tail), dim=-1)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -23,6 +23,9 @@ FAMILIES = {
     # QK-norm and a head_dim (24) that is not hidden / heads (16).
     "qwen3": ModelSpec(arch="qwen3", preset="tiny", tie_word_embeddings=False, head_dim=24,
                        seed=5, max_position_embeddings=2304),
+    # Fused qkv_proj/gate_up_proj in the checkpoint.
+    "phi3": ModelSpec(arch="phi3", preset="tiny", tie_word_embeddings=False, seed=5,
+                      max_position_embeddings=2304),
 }
 COMPLETIONS = "/v1/completions"
 

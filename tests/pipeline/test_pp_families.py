@@ -26,6 +26,8 @@ FAMILIES = {
     # QK-norm and a head_dim (48) that is not hidden / heads (32).
     "qwen3": ModelSpec(arch="qwen3", preset="small", tie_word_embeddings=False, head_dim=48,
                        seed=3),
+    # Fused qkv_proj/gate_up_proj in the checkpoint.
+    "phi3": ModelSpec(arch="phi3", preset="small", tie_word_embeddings=False, seed=3),
 }
 CHUNKED = {"max_num_batched_tokens": 24}
 
