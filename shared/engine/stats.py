@@ -27,3 +27,8 @@ class EngineStats:
     # and the monotonic time of the latest (None if none since the last clean sampling step).
     num_non_finite_logits: int = 0
     non_finite_logits_at: float | None = None
+    # Speculative decoding (cumulative, vLLM's spec_decode_* counters; 0 when it is off):
+    # steps in which a request got a draft, draft tokens proposed, draft tokens accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
