@@ -30,7 +30,10 @@ class SpeculativeConfig:
     num_speculative_tokens (K) drafts per step at most; the n-gram proposer matches a suffix of
     prompt_lookup_min..prompt_lookup_max tokens. disable_by_batch_size: no request speculates in
     a step where more requests than this are running (on a CPU a batched step is no longer
-    memory-bound, and verifying drafts then costs more than it saves).
+    memory-bound, and verifying drafts then costs more than it saves). min_acceptance_rate (a
+    pdmesh key, no vLLM equivalent): a request whose accepted / proposed draft tokens stay
+    below it once it has proposed acceptance_window draft tokens stops speculating, so a
+    workload that never accepts costs little more than speculation off (0 disables that).
     """
 
     method: SpeculativeMethod = SpeculativeMethod.NGRAM
@@ -38,6 +41,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     disable_by_batch_size: int = 4
+    min_acceptance_rate: float = 0.2
+    acceptance_window: int = 16
 
     def __post_init__(self) -> None:
         try:
@@ -46,8 +51,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method: unknown method {self.method!r} "
                              f"(supported: {', '.join(m.value for m in SpeculativeMethod)})"
                              ) from None
+        rate = self.min_acceptance_rate
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
+            raise ValueError(f"speculative_config.min_acceptance_rate must be a number in "
+                             f"[0, 1], got {rate!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                     "disable_by_batch_size"):
+                     "disable_by_batch_size", "acceptance_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be an integer >= 1, "

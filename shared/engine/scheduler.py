@@ -234,4 +234,4 @@ class Scheduler:
         self.kv.trim(req)
         self.kv.cache_computed_blocks(req)
         assert self.drafter is not None
-        self.drafter.record(len(draft), len(tokens) - 1)
+        self.drafter.record(req, len(draft), len(tokens) - 1)

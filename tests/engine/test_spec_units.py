@@ -117,6 +117,7 @@ def test_config_parses_vllm_json_and_refuses_bad_values() -> None:
                      ('{"method": "ngram", "prompt_lookup_min": "2"}', "prompt_lookup_min"),
                      ('{"method": "ngram", "disable_by_batch_size": -1}', "disable_by_batch_size"),
                      ('{"method": "ngram", "num_spec_tokens": 2}', "num_spec_tokens"),
+                     ('{"method": "ngram", "min_acceptance_rate": 2}', "min_acceptance_rate"),
                      ('{"num_speculative_tokens": 2}', "method"),
                      ('[1]', "JSON object"), ('{"method": ', "JSON")]:
         with pytest.raises(ValueError, match=key):
@@ -156,3 +157,25 @@ def test_up_forwards_the_flag_to_decode_workers_only_and_refuses_a_bad_one(
     assert main(["up", "--speculative-config", '{"method": "ngram", "x": 1}']) == 2
     err = capsys.readouterr().err
     assert "unknown key(s) x" in err and "Traceback" not in err
+
+
+def test_a_request_below_break_even_stops_speculating() -> None:
+    from shared.engine.spec.drafter import Drafter
+
+    req = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(temperature=0.0, max_tokens=50))
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                                        acceptance_window=8, min_acceptance_rate=0.25), 100)
+    assert drafter.propose(req) == [3, 1, 2]
+    drafter.record(req, 6, 1)  # 1/6 below 0.25, but fewer than 8 drafted: keep going
+    assert drafter.propose(req) == [3, 1, 2]
+    drafter.record(req, 3, 2)  # 3/9 >= 0.25
+    assert drafter.propose(req) == [3, 1, 2]
+    drafter.record(req, 3, 0)  # 3/12 == 0.25: not below
+    assert drafter.propose(req) == [3, 1, 2]
+    drafter.record(req, 3, 0)  # 3/15 < 0.25: off for good
+    assert drafter.propose(req) == []
+    assert (drafter.stats.num_drafts, drafter.stats.num_draft_tokens,
+            drafter.stats.num_accepted_tokens) == (4, 15, 3)
+    # Drafts never run past max_tokens (one slot is the token sampled after the draft).
+    short = Request("s", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(temperature=0.0, max_tokens=3))
+    assert drafter.propose(short) == [3, 1]

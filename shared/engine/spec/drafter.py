@@ -9,6 +9,8 @@ speculate (they decode one token per step as before):
 - min_tokens not yet reached (the EOS / stop-id ban changes inside the draft);
 - structured output (the grammar state advances token by token);
 - logprobs (kept exact and simple: one sampled position per step).
+A request whose acceptance stays below min_acceptance_rate over its first acceptance_window
+draft tokens stops speculating for good (it would only pay for verifying rejected tokens).
 A draft is capped so that the accepted tokens plus the bonus token stay within max_tokens and
 the context length: no KV is computed for positions a request can never keep.
 """
@@ -51,7 +53,7 @@ class Drafter:
     def propose(self, request: Request) -> list[int]:
         """Draft tokens for a running decode (num_tokens - num_computed_tokens == 1)."""
         limit = min(self.config.num_speculative_tokens, self._room(request))
-        if limit < 1 or not can_speculate(request):
+        if limit < 1 or not can_speculate(request) or self._below_break_even(request):
             return []
         c = self.config
         return propose_ngram(request.all_token_ids, c.prompt_lookup_min, c.prompt_lookup_max,
@@ -65,7 +67,15 @@ class Drafter:
             room = min(room, max_tokens - request.num_output_tokens - 1)
         return room
 
-    def record(self, num_draft: int, num_accepted: int) -> None:
+    def _below_break_even(self, request: Request) -> bool:
+        """The request's own off switch: enough drafts seen, too few accepted."""
+        c = self.config
+        return (request.num_draft_tokens >= c.acceptance_window
+                and request.num_accepted_tokens < c.min_acceptance_rate * request.num_draft_tokens)
+
+    def record(self, request: Request, num_draft: int, num_accepted: int) -> None:
+        request.num_draft_tokens += num_draft
+        request.num_accepted_tokens += num_accepted
         if num_draft:
             self.stats.num_drafts += 1
             self.stats.num_draft_tokens += num_draft
