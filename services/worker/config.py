@@ -92,6 +92,9 @@ class WorkerConfig:
     tls: TLSFiles = field(default_factory=TLSFiles)
 
     def __post_init__(self) -> None:
+        if self.pipeline.enabled and self.engine.speculative_config is not None:
+            raise ValueError("--speculative-config is not supported with --pp-size > 1 (the "
+                             "pipeline's last stage samples without the scheduler's drafts)")
         if self.pipeline.enabled and self.role is Role.DECODE:
             raise ValueError("--pp-size > 1 works for the mixed and prefill roles, not decode")
         if self.kv is not None:

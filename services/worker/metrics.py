@@ -67,6 +67,13 @@ class EngineStatsCollector(Collector):
         for family, value in zip(families, values, strict=True):
             family.add_metric([self._model], float(value))
             yield family
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative draft tokens accepted, per position in the draft.",
+            labels=["model_name", "position"])
+        for i, count in enumerate(s.spec_accepted_per_position):
+            per_position.add_metric([self._model, str(i)], float(count))
+        yield per_position
 
 
 class WorkerMetrics:

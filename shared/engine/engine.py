@@ -311,7 +311,8 @@ class LLMEngine:
             num_non_finite_logits=guard.num_non_finite if guard else 0,
             non_finite_logits_at=guard.last_non_finite_at if guard else None,
             spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
-            spec_num_accepted_tokens=spec.num_accepted_tokens)
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=tuple(spec.accepted_per_position))
 
     def warmup(self) -> None:
         """Run one short request through every component, then forget it (cache, counters)."""

@@ -50,8 +50,9 @@ def test_greedy_batched_identical_with_accepts_and_rejects(make_engine, referenc
     outs = run_engine(engine, repeating_prompts(6), [GREEDY] * 6)
     assert [outs[i].token_ids for i in range(6)] == reference
     s = engine.stats()
-    print(s)
     assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens
+    per_pos = s.spec_accepted_per_position  # an accept at i implies accepts before it
+    assert sum(per_pos) == s.spec_num_accepted_tokens and list(per_pos) == sorted(per_pos)[::-1]
     assert s.num_free_blocks == start
     assert_all_blocks_free(engine)
 
@@ -182,3 +183,13 @@ def test_requests_with_penalties_logprobs_or_min_tokens_do_not_speculate(make_ti
     control = make_tied_engine(speculative_config=ngram())
     run_engine(control, prompts, [GREEDY] * 3)
     assert control.stats().spec_num_drafts > 0
+
+
+def test_offline_llm_takes_the_speculative_config(small_ckpt, reference):
+    from shared.engine.llm import LLM
+
+    llm = LLM(model=str(small_ckpt), kv_cache_memory_bytes=8 << 20, num_threads=1,
+              speculative_config=ngram())
+    outs = llm.generate(repeating_prompts(6), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert llm.engine.stats().spec_num_accepted_tokens > 0

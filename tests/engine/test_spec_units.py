@@ -176,6 +176,17 @@ def test_a_request_below_break_even_stops_speculating() -> None:
     assert drafter.propose(req) == []
     assert (drafter.stats.num_drafts, drafter.stats.num_draft_tokens,
             drafter.stats.num_accepted_tokens) == (4, 15, 3)
+    assert drafter.stats.accepted_per_position == [2, 1]  # accepts of 1, 2, 0 and 0 tokens
     # Drafts never run past max_tokens (one slot is the token sampled after the draft).
     short = Request("s", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(temperature=0.0, max_tokens=3))
     assert drafter.propose(short) == [3, 1]
+
+
+def test_pipeline_workers_refuse_speculation() -> None:
+    from services.worker.config import WorkerConfig, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--pp-size", "2", "--speculative-config", '{"method": "ngram"}'])
+    with pytest.raises(ValueError, match="speculative-config"):
+        WorkerConfig.from_args(args, {})

@@ -17,7 +17,7 @@ the context length: no KV is computed for positions a request can never keep.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.engine.request import Request
 from shared.engine.spec.ngram import propose_ngram
@@ -27,11 +27,13 @@ from shared.speculative_config import SpeculativeConfig
 @dataclass
 class SpecDecodeStats:
     """Cumulative counters, as vLLM's spec_decode_* metrics: drafts (requests that got a
-    non-empty draft in a step), draft tokens proposed, and draft tokens accepted."""
+    non-empty draft in a step), draft tokens proposed, and draft tokens accepted, in all and
+    per draft position (accepted_per_position[i]: drafts whose token i was accepted)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
 
 
 class Drafter:
@@ -80,6 +82,10 @@ class Drafter:
             self.stats.num_drafts += 1
             self.stats.num_draft_tokens += num_draft
             self.stats.num_accepted_tokens += num_accepted
+            per_position = self.stats.accepted_per_position
+            per_position.extend([0] * (num_accepted - len(per_position)))
+            for i in range(num_accepted):
+                per_position[i] += 1
 
 
 def can_speculate(request: Request) -> bool:

@@ -13,6 +13,12 @@ renormalised). Each s_j uses its own noise, so every emitted token has exactly t
 distribution of sampling one token at a time; greedy rows are the argmax case (accept iff
 the draft equals the argmax). Coupling the accept test and the residual draw to one sample
 also keeps seeded requests reproducible with speculation on or off, alone or in a batch.
+
+Exactness holds to the extent that the model computes a position's logits the same whether a
+step holds 1 or 1 + K rows of the request: bit for bit in float32 (tested). The bf16 native
+kernels round a multi-row step slightly differently from a one-row step (as they do for a
+different chunked-prefill split), so a bf16 greedy run can part from speculation off at a
+near-tie of the top two logits; the distribution sampled from is unchanged.
 """
 
 from __future__ import annotations
