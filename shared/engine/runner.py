@@ -107,7 +107,7 @@ class ModelRunner:
         # zeros, not empty: padded attention slots read block 0, and 0 * NaN garbage would
         # poison the softmax-weighted sum even where the mask gives weight 0.
         self.kv_cache = torch.zeros(geometry.cache_shape(self.num_blocks), dtype=geometry.dtype)
-        self.weights_bytes = tensor_bytes(model)
+        self.weights_bytes = tensor_bytes(model) if isinstance(model, torch.nn.Module) else 0
         self.sampler = Sampler(config.seed)
         self.logits_guard = LogitsGuard()
         # Test-only: when set, called with every batch before its forward, on the engine
