@@ -342,6 +342,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=d.tokenizer.value)
     parser.add_argument("--no-early-first-token", action="store_true",
                         help="do not stream the prefill's first token before decode starts")
+    _add_connection_arguments(parser, d)
+    _add_resilience_arguments(parser, d)
+    tls.add_arguments(parser.add_argument_group("TLS (the router's listener; --tls-ca: the "
+                                                "CA of https:// workers)"))
+    parser.add_argument("--cors-allow-origin", action="append", metavar="ORIGIN",
+                        help="browser origin allowed to call the API (repeatable; '*': any, "
+                             "without credentials)")
+
+
+def _add_connection_arguments(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
+    """Health checks, timeouts, keep-alive and body limits of the router's connections."""
     parser.add_argument("--health-interval", type=float, default=d.health_interval_s)
     parser.add_argument("--health-timeout", type=float, default=d.health_timeout_s)
     parser.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
@@ -358,6 +369,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--body-timeout-seconds", type=float, default=d.body_timeout_s,
                         help="close a connection whose request body is not complete this long "
                              "after its head")
+
+
+def _add_resilience_arguments(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
+    """Breaker, retries, admission and mid-stream migration."""
     parser.add_argument("--breaker-failures", type=int, default=d.breaker.failures)
     parser.add_argument("--breaker-window", type=float, default=d.breaker.window_s)
     parser.add_argument("--breaker-cooldown", type=float, default=d.breaker.cooldown_s)
@@ -367,11 +382,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-inflight", type=int, default=d.admission.max_inflight)
     parser.add_argument("--max-queue", type=int, default=d.admission.max_queue)
     parser.add_argument("--queue-timeout", type=float, default=d.admission.timeout_s)
-    tls.add_arguments(parser.add_argument_group("TLS (the router's listener; --tls-ca: the "
-                                                "CA of https:// workers)"))
-    parser.add_argument("--cors-allow-origin", action="append", metavar="ORIGIN",
-                        help="browser origin allowed to call the API (repeatable; '*': any, "
-                             "without credentials)")
     parser.add_argument("--max-migrations", type=int, default=d.migration.max_migrations,
                         help="times one streamed request may move to another decode after "
                         "its decode failed mid-stream (0: never)")

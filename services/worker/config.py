@@ -241,6 +241,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "before exiting non-zero")
     parser.add_argument("--degraded-hold-seconds", type=float, default=w.degraded_hold_seconds,
                         help="after NaN/inf logits: seconds /health answers 503 model_degraded")
+    _add_engine_arguments(parser, d)
+    parsers_config.add_arguments(parser)
+    add_kv_arguments(parser)
+    parser.add_argument("--kv-load-failure-policy", default=KVLoadFailurePolicy.FAIL.value,
+                        choices=[p.value for p in KVLoadFailurePolicy],
+                        help="decode: error out (fail) or recompute the prompt when the "
+                             "remote KV cannot be loaded")
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    """The `engine` group: dtype, cache and batch sizes, threads, quantisation, kernel tier."""
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                      help="auto (default): bfloat16 where a native kernel tier (avx2 and up) "
@@ -261,9 +272,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
                      help=f"highest native kernel tier to use (default: ${KERNEL_TIER_ENV}, "
                           "else auto: the fastest this CPU runs); see `pdmesh doctor`")
-    parsers_config.add_arguments(parser)
-    add_kv_arguments(parser)
-    parser.add_argument("--kv-load-failure-policy", default=KVLoadFailurePolicy.FAIL.value,
-                        choices=[p.value for p in KVLoadFailurePolicy],
-                        help="decode: error out (fail) or recompute the prompt when the "
-                             "remote KV cannot be loaded")
