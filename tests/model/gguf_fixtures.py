@@ -20,6 +20,7 @@ with finite fp16 super-block scales sized for weights of about the wanted standa
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +72,9 @@ CASES = {
     "llama": Case("llama", "llama-bpe", 64, tied=True),
     "qwen2": Case("qwen2", "qwen2", 64, tied=True),
     "qwen3": Case("qwen3", "qwen2", 128, tied=False),
+    "phi3": Case("phi3", "qwen2", 64, tied=False),  # fused qkv / gate_up, longrope, 3/4 rotary
 }
+PHI3_ORIG_CONTEXT = 128  # < max_position_embeddings: longrope's two factor sets both matter
 GEOMETRY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2}
 
@@ -177,7 +180,8 @@ _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn
           "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
           "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-          "post_attention_layernorm": "ffn_norm"}
+          "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
+          "mlp.gate_up_proj": "ffn_up"}  # phi3: gguf-py's TensorNameMap maps gate_up to ffn_up
 
 
 def gguf_name(hf_name: str) -> str:
@@ -197,6 +201,13 @@ def model_config(case: Case, hf_tok: PreTrainedTokenizerFast, seed: int) -> tupl
         "eos_token_id": hf_tok.eos_token_id, "max_position_embeddings": 512,
         # exact in float32, as GGUF stores it: no rounding gap between the two sides
         "rms_norm_eps": 2.0 ** -16, "rope_theta": 10000.0}
+    if case.arch == "phi3":
+        half = int(case.head_dim * 1.0) // 2
+        cfg.update(partial_rotary_factor=1.0, sliding_window=None,
+                   original_max_position_embeddings=PHI3_ORIG_CONTEXT,
+                   rope_scaling={"type": "longrope",
+                                 "long_factor": [1.0 + 0.25 * i for i in range(half)],
+                                 "short_factor": [1.0 + 0.0625 * i for i in range(half)]})
     return spec, cfg
 
 
@@ -216,6 +227,17 @@ def write_hyper(w: GGUFWriter, cfg: dict) -> None:
     if cfg["model_type"] == "llama":
         w.add_rope_dimension_count(cfg["head_dim"])
         w.add_vocab_size(cfg["vocab_size"])
+    if cfg["model_type"] == "phi3":  # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors
+        w.add_rope_dimension_count(
+            int(cfg["partial_rotary_factor"] * cfg["hidden_size"]) // cfg["num_attention_heads"])
+        w.add_sliding_window(cfg["sliding_window"] or 0)
+        w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        scale = cfg["max_position_embeddings"] / cfg["original_max_position_embeddings"]
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(cfg["original_max_position_embeddings"])))
+        for kind in ("long", "short"):
+            w.add_tensor(f"rope_factors_{kind}.weight",
+                         np.asarray(cfg["rope_scaling"][f"{kind}_factor"], dtype=np.float32))
 
 
 def write_pair(root: Path, case: Case, qtype: Q, hf_tok: PreTrainedTokenizerFast,
