@@ -33,10 +33,17 @@ def weight_transforms(config: EngineConfig) -> WeightTransforms:
 def kv_spec_of(model_id: str, weights_fingerprint: str, engine: EngineConfig,
                config: ModelConfig) -> ModelKVSpec:
     """The spec of a loaded model: ModelConfig carries geometry and RoPE, the engine's
-    configuration the dtypes and the weight transforms."""
+    configuration the dtypes and the weight transforms.
+
+    A family's attention constants that change the KV bytes (Gemma: windows, soft-caps, the
+    sliding layers' RoPE, the score scale) ride in the `rope` factor as `gemma.*` keys: the
+    weights fingerprint does not cover config.json, so they must be hashed here.
+    """
+    rope = dataclasses.asdict(config.rope)
+    if config.gemma is not None:
+        rope.update(config.gemma.as_factors())
     return ModelKVSpec(model_id=model_id, weights_fingerprint=weights_fingerprint,
                        dtype=engine.dtype, kv_dtype=engine.resolved_kv_dtype,
                        num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
-                       head_dim=config.head_dim,
-                       rope=ModelKVSpec.rope_items(dataclasses.asdict(config.rope)),
+                       head_dim=config.head_dim, rope=ModelKVSpec.rope_items(rope),
                        transforms=weight_transforms(engine))

@@ -32,6 +32,7 @@ class PaddedViews:
     query_valid: BoolTensor[B, Qmax], which entries of query_index are real.
     attn_mask: BoolTensor[B, 1, Qmax, Lmax], True where query i may attend to key j
         (causal within the sequence, and not padding).
+    query_positions: LongTensor[B, Qmax], absolute position of each query (padding included).
     """
 
     slot_mapping: torch.Tensor
@@ -39,6 +40,17 @@ class PaddedViews:
     query_index: torch.Tensor
     query_valid: torch.Tensor
     attn_mask: torch.Tensor
+    query_positions: torch.Tensor
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """attn_mask limited to keys at positions (p - window, p] of each query at p (HF's
+        sliding-window mask). A query always sees itself, so no real row is emptied; padding
+        rows keep key 0 so softmax never sees an all-masked row."""
+        keys = torch.arange(self.attn_mask.shape[-1])  # key j sits at position j
+        inside = keys[None, None, :] > self.query_positions[:, :, None] - window  # [B, Qmax, L]
+        mask = self.attn_mask & inside[:, None]
+        mask[:, :, :, 0] |= ~self.query_valid[:, None, :]
+        return mask
 
 
 @dataclass(frozen=True)
@@ -109,7 +121,7 @@ class AttentionMetadata:
         slot_mapping = gather_slots.gather(1, q_pos.clamp(max=lmax - 1))[query_valid]
         return PaddedViews(slot_mapping=slot_mapping, gather_slots=gather_slots,
                            query_index=query_index, query_valid=query_valid,
-                           attn_mask=attn_mask[:, None])
+                           attn_mask=attn_mask[:, None], query_positions=q_pos)
 
 
 def paged_attention(
@@ -119,8 +131,12 @@ def paged_attention(
     kv_layer: torch.Tensor,  # [2, num_blocks, block_size, KVH, D], one layer of the cache
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, H, D]
-    """Write the new K/V into the cache, then attend over each sequence's whole context."""
+    """Write the new K/V into the cache, then attend over each sequence's whole context, or
+    its last `window` positions; `softcap` bounds the scores to (-cap, cap) with tanh before
+    the softmax (Gemma 2)."""
     kvh, d = k.shape[1], k.shape[2]
     views = meta.padded
     k_flat = kv_layer[0].view(-1, kvh, d)  # [num_slots, KVH, D]
@@ -132,8 +148,15 @@ def paged_attention(
     keys = k_flat[views.gather_slots].float().transpose(1, 2)  # [B, KVH, Lmax, D]
     values = v_flat[views.gather_slots].float().transpose(1, 2)
     queries = q[views.query_index].float().transpose(1, 2)  # [B, H, Qmax, D]
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=views.attn_mask, scale=scale,
-        enable_gqa=queries.shape[1] != keys.shape[1],
-    )  # [B, H, Qmax, D]
+    mask = views.attn_mask if window is None else views.window_mask(window)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, scale=scale,
+            enable_gqa=queries.shape[1] != keys.shape[1],
+        )  # [B, H, Qmax, D]
+    else:  # SDPA has no soft-cap: the scores are materialised, [B, H, Qmax, Lmax]
+        groups = queries.shape[1] // keys.shape[1]
+        keys, values = (t.repeat_interleave(groups, dim=1) for t in (keys, values))
+        scores = torch.tanh(queries @ keys.transpose(-1, -2) * scale / softcap) * softcap
+        out = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ values
     return out.transpose(1, 2)[views.query_valid].to(q.dtype)  # [T, H, D]

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from shared.model.gemma_config import GEMMA_DEFAULTS, GEMMA_TYPES, GemmaSpec, gemma_from_hf
 from shared.model.rope import RopeConfig
 
 # architecture -> HF model_type, and back.
@@ -21,6 +22,8 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # fused qkv_proj/gate_up_proj load as-is; longrope in rope.py
+    "Gemma2ForCausalLM": "gemma2",  # shared.model.gemma
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 _BY_MODEL_TYPE = {v: k for k, v in ARCHITECTURES.items()}
 
@@ -36,6 +39,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
               "num_key_value_heads": 32, "sliding_window": 4096, "head_dim": 128},
     "phi3": {"max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 32000,
              "rms_norm_eps": 1e-5, "sliding_window": None},
+    **GEMMA_DEFAULTS,
 }
 _COMMON_DEFAULTS: dict[str, Any] = {
     "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
@@ -52,7 +56,9 @@ _TEXT_KEYS = _REQUIRED + (
     "rope_parameters", "original_max_position_embeddings", "max_position_embeddings",
     "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "bos_token_id",
     "eos_token_id", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
-    "partial_rotary_factor", "torch_dtype", "dtype",
+    "partial_rotary_factor", "torch_dtype", "dtype", "hidden_activation",
+    "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+    "rope_local_base_freq", "sliding_window_pattern", "use_bidirectional_attention",
 )
 
 
@@ -86,6 +92,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    gemma: GemmaSpec | None = None  # Gemma 2 / 3 only: soft-caps, windows, local RoPE
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -129,14 +136,19 @@ class ModelConfig:
         # except for keys where null can only mean "the default".
         cfg = {**_COMMON_DEFAULTS, **_DEFAULTS[model_type],
                **{k: v for k, v in cfg.items() if v is not None or k not in _NULL_IS_DEFAULT}}
-        if cfg["hidden_act"] != "silu":
+        gemma = model_type in GEMMA_TYPES
+        if cfg["hidden_act"] != "silu" and not gemma:  # Gemma reads hidden_activation
             raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
         if cfg["mlp_bias"]:
             raise ValueError("mlp_bias=true is not supported")
         heads = int(cfg["num_attention_heads"])
         max_pos = int(cfg["max_position_embeddings"])
-        _refuse_sliding_window(model_type, cfg, max_pos)
-        own_bias = model_type in ("llama", "qwen3") and bool(cfg["attention_bias"])
+        spec, rope = None, None
+        if gemma:
+            spec, rope = gemma_from_hf(model_type, cfg, int(cfg["num_hidden_layers"]), max_pos)
+        else:
+            _refuse_sliding_window(model_type, cfg, max_pos)
+        own_bias = model_type in ("llama", "qwen3", *GEMMA_TYPES) and bool(cfg["attention_bias"])
         return ModelConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -147,15 +159,16 @@ class ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg["head_dim"] or int(cfg["hidden_size"]) // heads),
             rms_norm_eps=float(cfg["rms_norm_eps"]),
-            rope=RopeConfig.from_hf(cfg, max_pos),
+            rope=rope or RopeConfig.from_hf(cfg, max_pos),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
             attention_bias=model_type == "qwen2" or own_bias,
             attention_out_bias=own_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             bos_token_id=None if cfg["bos_token_id"] is None else int(cfg["bos_token_id"]),
             eos_token_ids=_token_ids(cfg["eos_token_id"]),
             torch_dtype=_dtype_name(cfg.get("torch_dtype") or cfg.get("dtype")),
+            gemma=spec,
         )
 
 

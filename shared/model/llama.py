@@ -109,6 +109,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        out = paged_attention(q, k, v, kv_layer, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, H, D], k and v [T, KVH, D]: QK-norm'd and rotated."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
         qk = qkv[:, : self.qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -117,10 +124,8 @@ class Attention(nn.Module):
                             self.k_norm(qk[:, self.num_heads:])), dim=1)
         # Rotate q and k together: one RoPE application over H + KVH heads.
         qk = RotaryEmbedding.apply(qk, cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_layer, meta, self.scale)  # [T, H, D]
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return qk[:, : self.num_heads], qk[:, self.num_heads:], v
 
     def forward_native(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_layer: torch.Tensor,
                        tables: StepTables, native: NativeDecoder, g: LayerGeometry
@@ -243,8 +248,8 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):
             self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
                                  if self.is_first else None)
-            self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(start, end))
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last else None
+            self.layers = nn.ModuleList(self.make_layer(config, dtype, i) for i in range(start, end))
+            self.norm = self.make_norm(config, dtype) if self.is_last else None
             self.lm_head = (nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
                             if self.is_last else None)
         if quantization is not None:
@@ -261,6 +266,20 @@ class LlamaForCausalLM(nn.Module):
         self._fused_stack: list[torch.Tensor | None] | None = None
         self._stack_packed = False  # some fused layer is MXFP4 (see fuses)
         self.requires_grad_(False)
+
+    @staticmethod
+    def make_layer(config: ModelConfig, dtype: torch.dtype, index: int) -> nn.Module:
+        """Decoder layer `index` (global); a family variant overrides it (shared.model.gemma)."""
+        return DecoderLayer(config, dtype)
+
+    @staticmethod
+    def make_norm(config: ModelConfig, dtype: torch.dtype) -> RMSNorm:
+        """The final norm; a family variant overrides it."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def layer_params(self) -> dict[str, tuple[str, int | None]]:
+        """HF per-layer tensor name -> (our parameter, fused slice or None)."""
+        return _PHI3_PARAMS if self.config.model_type == "phi3" else _LAYER_PARAMS
 
     def use_native(self, native: NativeDecoder) -> int:
         """Route forward through native's kernels (kernels.dense.layer) from now on: paged
@@ -381,7 +400,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 out.setdefault(hf_name, []).append((target, part))
 
-        params = _PHI3_PARAMS if self.config.model_type == "phi3" else _LAYER_PARAMS
+        params = self.layer_params()
         for local, layer in enumerate(range(self.start, self.end)):
             for suffix, (param, part) in params.items():
                 if f"layers.{local}.{param}" in targets:
@@ -410,7 +429,7 @@ class LlamaForCausalLM(nn.Module):
                                             "lm_head.weight"):
             return True
         m = _LAYER_NAME.fullmatch(name)
-        return (m is not None and m.group(2) in _LAYER_PARAMS
+        return (m is not None and m.group(2) in self.layer_params()
                 and not self.start <= int(m.group(1)) < self.end
                 and int(m.group(1)) < self.config.num_layers)
 

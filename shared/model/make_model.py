@@ -63,6 +63,8 @@ class ModelSpec:
     dtype: str = "float32"
     vocab_size: int | None = None
     padding_head_scale: float = 1.0
+    sliding_window: int = 8  # gemma2 / gemma3_text: layer 0 slides, layer 1 attends fully
+    rope_local_theta: float = 1000.0  # gemma3_text's sliding layers (rope_local_base_freq)
 
     def __post_init__(self) -> None:
         if self.arch not in _ARCH_BY_NAME:
@@ -115,6 +117,8 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
         cfg.update(attention_bias=spec.attention_bias)
     if spec.arch in ("qwen2", "mistral", "qwen3"):
         cfg.update(sliding_window=None, use_sliding_window=False)
+    if spec.arch in ("gemma2", "gemma3_text"):
+        _gemma_keys(spec, cfg)
     scaling = _rope_scaling(spec)
     if spec.rope_keys == "legacy":
         cfg["rope_theta"] = spec.rope_theta
@@ -122,7 +126,26 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     else:
         cfg["rope_parameters"] = {"rope_theta": spec.rope_theta, "rope_type": "default",
                                   **(scaling or {})}
+    if spec.arch == "gemma3_text" and spec.rope_keys == "v5":  # one block per layer type
+        cfg["rope_parameters"] = {
+            "full_attention": cfg["rope_parameters"],
+            "sliding_attention": {"rope_type": "default", "rope_theta": spec.rope_local_theta}}
     return cfg
+
+
+def _gemma_keys(spec: ModelSpec, cfg: dict[str, Any]) -> None:
+    """Gemma's own keys. Soft-caps (Gemma 2) small enough that tanh bends random scores; a
+    query scale that is not head_dim ** -0.5; every layer kind present in two layers."""
+    del cfg["hidden_act"]
+    layers = cfg["num_hidden_layers"]
+    cfg.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg["head_dim"] // 2,
+               sliding_window=spec.sliding_window, attention_bias=False,
+               layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                            for i in range(layers)])
+    if spec.arch == "gemma2":
+        cfg.update(attn_logit_softcapping=10.0, final_logit_softcapping=15.0)
+    elif spec.rope_keys == "legacy":
+        cfg["rope_local_base_freq"] = spec.rope_local_theta
 
 
 def _rope_scaling(spec: ModelSpec) -> dict[str, Any] | None:
@@ -149,26 +172,33 @@ def random_weights(spec: ModelSpec, cfg: dict[str, Any]) -> dict[str, torch.Tens
         return normal(out_f, in_f, std=in_f ** -0.5)
 
     rows = spec.rows
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(rows, hidden, std=1.0)}
+    gemma = spec.arch in ("gemma2", "gemma3_text")
+    # Gemma scales embeddings by sqrt(hidden) and its norms by (1 + w): keep both O(1).
+    w: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": normal(rows, hidden, std=hidden ** -0.5 if gemma else 1.0)}
+    norm_one = 0.0 if gemma else 1.0
     qkv_bias = spec.arch == "qwen2" or (spec.arch in ("llama", "qwen3") and spec.attention_bias)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = 1.0 + normal(hidden, std=0.1)
-        w[p + "post_attention_layernorm.weight"] = 1.0 + normal(hidden, std=0.1)
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if gemma:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        for norm in norms:
+            w[p + f"{norm}.weight"] = norm_one + normal(hidden, std=0.1)
         for name, size in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             w[p + f"self_attn.{name}.weight"] = proj(size, hidden)
             if qkv_bias:
                 w[p + f"self_attn.{name}.bias"] = normal(size, std=0.5)
-        if spec.arch == "qwen3":
+        if spec.arch in ("qwen3", "gemma3_text"):
             for name in ("q_norm", "k_norm"):
-                w[p + f"self_attn.{name}.weight"] = 1.0 + normal(cfg["head_dim"], std=0.1)
+                w[p + f"self_attn.{name}.weight"] = norm_one + normal(cfg["head_dim"], std=0.1)
         w[p + "self_attn.o_proj.weight"] = proj(hidden, q)
         if spec.arch in ("llama", "qwen3") and spec.attention_bias:
             w[p + "self_attn.o_proj.bias"] = normal(hidden, std=0.1)
         w[p + "mlp.gate_proj.weight"] = proj(inter, hidden)
         w[p + "mlp.up_proj.weight"] = proj(inter, hidden)
         w[p + "mlp.down_proj.weight"] = proj(hidden, inter)
-    w["model.norm.weight"] = 1.0 + normal(hidden, std=0.1)
+    w["model.norm.weight"] = norm_one + normal(hidden, std=0.1)
     if spec.arch == "phi3":
         _fuse_phi3(w, cfg["num_hidden_layers"])
     if not cfg["tie_word_embeddings"]:

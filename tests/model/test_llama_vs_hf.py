@@ -33,6 +33,13 @@ CASES: dict[str, dict[str, object]] = {
     "rope_linear": {"rope_type": "linear", "rope_factor": 4.0},
     # max_position_embeddings 16: the generate test decodes far past it, where NTK kicks in.
     "rope_dynamic": {"rope_type": "dynamic", "rope_factor": 2.0, "max_position_embeddings": 16},
+    # Gemma (shared.model.gemma): layer 0 slides over 8 positions, past which every prompt
+    # here runs; soft-capped scores and logits (Gemma 2), QK-norm and a local RoPE base for
+    # sliding layers (Gemma 3, both config generations).
+    "gemma2": {"arch": "gemma2"},
+    "gemma3": {"arch": "gemma3_text", "tie_word_embeddings": False},
+    "gemma3_v5_keys": {"arch": "gemma3_text", "rope_keys": "v5", "sliding_window": 5,
+                       "num_kv_heads": 1, "tie_word_embeddings": False, "seed": 3},
 }
 
 

@@ -26,6 +26,10 @@ FAMILIES = {
     # Fused qkv_proj/gate_up_proj in the checkpoint.
     "phi3": ModelSpec(arch="phi3", preset="tiny", tie_word_embeddings=False, seed=5,
                       max_position_embeddings=2304),
+    # Sandwich norms, soft-caps, sliding layers (window 8) and a local RoPE base.
+    "gemma2": ModelSpec(arch="gemma2", preset="tiny", seed=5, max_position_embeddings=2304),
+    "gemma3": ModelSpec(arch="gemma3_text", preset="tiny", tie_word_embeddings=False, seed=5,
+                        max_position_embeddings=2304),
 }
 COMPLETIONS = "/v1/completions"
 

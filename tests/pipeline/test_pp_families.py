@@ -28,6 +28,9 @@ FAMILIES = {
                        seed=3),
     # Fused qkv_proj/gate_up_proj in the checkpoint.
     "phi3": ModelSpec(arch="phi3", preset="small", tie_word_embeddings=False, seed=3),
+    # Sandwich norms, soft-caps, sliding layers (window 8) and a local RoPE base.
+    "gemma2": ModelSpec(arch="gemma2", preset="small", seed=3),
+    "gemma3": ModelSpec(arch="gemma3_text", preset="small", tie_word_embeddings=False, seed=3),
 }
 CHUNKED = {"max_num_batched_tokens": 24}
 
