@@ -3,8 +3,8 @@
 llama.cpp's converter (convert_hf_to_gguf.py) writes a model's hyper-parameters under
 `<arch>.*` keys and renames its tensors (`blk.N.attn_q.weight`...). This module maps both back
 to what HF transformers would have written, for the architectures the engine runs: `llama`
-(also what the converter calls Mistral and SmolLM), `qwen2`, `qwen3` and `phi3` (Phi-3, Phi-3.5
-and Phi-4-mini). Everything here reads the GGUF header only (metadata and tensor infos), except
+(also what the converter calls Mistral and SmolLM), `qwen2`, `qwen3`, `phi3` (Phi-3, Phi-3.5
+and Phi-4-mini), `gemma2` and `gemma3` (text). Everything here reads the GGUF header only (metadata and tensor infos), except
 Phi-3's two small `rope_factors_*` tensors, which hold longrope's per-frequency factors and so
 belong in config.json, not among the weights.
 
@@ -33,7 +33,12 @@ HF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# GGUF architecture -> HF model_type where the names differ.
+HF_MODEL_TYPES = {"gemma3": "gemma3_text"}
+GEMMA_ARCHS = frozenset({"gemma2", "gemma3"})
 PERMUTED_QK = frozenset({"llama"})
 # GGMLQuantizationType names dequantised on import (with gguf.quants.dequantize), each tested.
 # (Names, so that importing this module, and the registry, does not import gguf.)
@@ -45,6 +50,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {"context_length": 32768, "rms_eps": 1e-6},
     "qwen3": {"context_length": 32768, "rms_eps": 1e-6},
     "phi3": {"context_length": 4096, "rms_eps": 1e-5},
+    "gemma2": {"context_length": 8192, "rms_eps": 1e-6},
+    "gemma3": {"context_length": 131072, "rms_eps": 1e-6},
 }
 
 _BLOCK_NAMES = {
@@ -62,7 +69,12 @@ _BLOCK_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 # Phi-3's `ffn_up` holds [gate; up] (HF gate_up_proj); llama.cpp splits it at run time.
-_ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Gemma's sandwich norms: llama.cpp's `ffn_norm` is the pre-feed-forward norm there.
+_GEMMA_NORMS = {"post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {"phi3": {"ffn_up": "mlp.gate_up_proj"},
+                                                "gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS}
 # longrope factors (phi3): config.json rope_scaling keys, not weights.
 ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": "long_factor",
                        "rope_factors_short.weight": "short_factor"}
@@ -138,9 +150,9 @@ def _hyper(reader: GGUFReader, arch: str) -> dict[str, Any]:
     rope_dims = int(get("rope.dimension_count", head_dim))
     if rope_dims != head_dim and arch != "phi3":
         raise UnsupportedGgufError(f"partial rotary embeddings are not supported for {arch}")
-    if get("rope.scaling.type", "none") != "none":
-        raise UnsupportedGgufError(f"GGUF rope scaling {get('rope.scaling.type')!r} is not "
-                                   "supported")
+    scaling = get("rope.scaling.type", "none")
+    if scaling != "none" and not (arch == "gemma3" and scaling == "linear"):
+        raise UnsupportedGgufError(f"GGUF rope scaling {scaling!r} is not supported for {arch}")
     defaults = _DEFAULTS[arch]
     return {
         "hidden": hidden, "heads": heads, "head_dim": head_dim,
@@ -167,7 +179,7 @@ def build_config(reader: GGUFReader, vocab: GgufVocab) -> dict[str, Any]:
     h = _hyper(reader, arch)
     config: dict[str, Any] = {
         "architectures": [HF_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": HF_MODEL_TYPES.get(arch, arch),
         "hidden_size": h["hidden"],
         "intermediate_size": h["ffn"],
         "num_hidden_layers": h["layers"],
@@ -188,6 +200,9 @@ def build_config(reader: GGUFReader, vocab: GgufVocab) -> dict[str, Any]:
         config["mlp_bias"] = False
     elif arch == "phi3":
         config.update(_phi3_config(reader, h, tensors))
+    elif arch in GEMMA_ARCHS:
+        del config["hidden_act"]
+        config.update(_gemma_config(reader, arch, h))
     else:
         config.update(sliding_window=None, use_sliding_window=False)
     config.update({
@@ -236,21 +251,55 @@ def _phi3_config(reader: GGUFReader, h: dict[str, Any],
     return out
 
 
+def _gemma_config(reader: GGUFReader, arch: str, h: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 / 3 keys, as llama.cpp reads them back (llama-model.cpp).
+
+    The converter stores the window and the soft-caps; llama.cpp hard-codes the rest, and so
+    does this: sliding layers every other layer (Gemma 2) or five in six (Gemma 3), the sliding
+    layers' RoPE base 10,000 (Gemma 3), and the query scale: 1/sqrt(hidden / heads) for the 27B
+    models (46 layers for Gemma 2, 62 for Gemma 3), else 1/sqrt(head_dim).
+    """
+    window = field(reader, f"{arch}.attention.sliding_window")
+    pattern = 2 if arch == "gemma2" else 6
+    big = h["layers"] == (46 if arch == "gemma2" else 62)
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
+        "query_pre_attn_scalar": h["hidden"] // h["heads"] if big else h["head_dim"],
+        "sliding_window": None if window is None else int(window),
+        "layer_types": ["sliding_attention" if window is not None and i % pattern < pattern - 1
+                        else "full_attention" for i in range(h["layers"])],
+        "attn_logit_softcapping": _opt(field(reader, f"{arch}.attn_logit_softcapping")),
+        "final_logit_softcapping": _opt(field(reader, f"{arch}.final_logit_softcapping")),
+    }
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = 10000.0
+        if field(reader, "gemma3.rope.scaling.type", "none") == "linear":
+            out["rope_scaling"] = {"rope_type": "linear",
+                                   "factor": float(field(reader, "gemma3.rope.scaling.factor"))}
+    return out
+
+
+def _opt(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
 def expected_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every tensor a checkpoint with config.json `c` stores."""
     h, kv = c["hidden_size"], c["num_key_value_heads"] * c["head_dim"]
     q, ffn = c["num_attention_heads"] * c["head_dim"], c["intermediate_size"]
     qkv_bias = c["model_type"] == "qwen2" or c.get("attention_bias", False)
+    gemma = c["model_type"] in ("gemma2", "gemma3_text")
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if gemma:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     out: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,)}
     if not c["tie_word_embeddings"]:
         out["lm_head.weight"] = (c["vocab_size"], h)
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        out.update({
-            p + "self_attn.o_proj.weight": (h, q), p + "mlp.down_proj.weight": (h, ffn),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        })
+        out.update({p + "self_attn.o_proj.weight": (h, q), p + "mlp.down_proj.weight": (h, ffn)})
+        out.update({p + f"{norm}.weight": (h,) for norm in norms})
         if c["model_type"] == "phi3":
             out.update({p + "self_attn.qkv_proj.weight": (q + 2 * kv, h),
                         p + "mlp.gate_up_proj.weight": (2 * ffn, h)})
@@ -265,7 +314,7 @@ def expected_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                         p + "self_attn.v_proj.bias": (kv,)})
         if c.get("attention_bias", False):
             out[p + "self_attn.o_proj.bias"] = (h,)
-        if c["model_type"] == "qwen3":
+        if c["model_type"] in ("qwen3", "gemma3_text"):
             out.update({p + "self_attn.q_norm.weight": (c["head_dim"],),
                         p + "self_attn.k_norm.weight": (c["head_dim"],)})
     return out
@@ -274,7 +323,7 @@ def expected_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 def check_shapes(reader: GGUFReader, config: dict[str, Any]) -> None:
     """Refuse a file whose tensors (names and shapes, from the header) do not form the model
     config.json describes: a missing, extra or misshapen tensor is named."""
-    arch = config["model_type"]
+    arch = gguf_architecture(reader)
     got = {hf_tensor_name(t.name, arch): tuple(int(d) for d in reversed(t.shape.tolist()))
            for t in reader.tensors if t.name not in ROPE_FACTOR_TENSORS}
     expected = expected_shapes(config)

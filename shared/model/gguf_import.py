@@ -1,4 +1,4 @@
-"""One-time conversion of a GGUF file (llama, qwen2, qwen3, phi3) into an HF-format directory.
+"""One-time conversion of a GGUF file (llama, qwen2, qwen3, phi3, gemma2/3) into an HF directory.
 
 The output directory holds config.json (see `shared.model.gguf_arch` for the per-architecture
 mapping), float32 safetensors (every tensor dequantised once with `gguf.quants.dequantize`;
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shared.model.gguf_arch import (
+    GEMMA_ARCHS,
     PERMUTED_QK,
     ROPE_FACTOR_TENSORS,
     WEIGHTS_DTYPE,
@@ -76,6 +77,8 @@ def _dequantised(t: ReaderTensor, name: str, arch: str, config: dict[str, Any]) 
 
     # dequantize returns numpy order [rows, cols] = HF [out_features, in_features].
     w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    if arch in GEMMA_ARCHS and name.endswith("norm.weight"):
+        w = w - np.float32(1.0)  # llama.cpp stores Gemma's (1 + weight); HF stores the weight
     if arch in PERMUTED_QK:
         if name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rope_rows(w, config["num_attention_heads"])
@@ -104,7 +107,7 @@ def _write_weights(reader: GGUFReader, dest: Path, config: dict[str, Any],
     from safetensors.numpy import save_file
     from tqdm import tqdm
 
-    arch = config["model_type"]
+    arch = gguf_architecture(reader)  # the GGUF name (gemma3, not gemma3_text)
     weights = [t for t in reader.tensors if t.name not in ROPE_FACTOR_TENSORS]  # in config.json
     plan = _shard_plan(weights)
     weight_map: dict[str, str] = {}

@@ -1,4 +1,4 @@
-"""`--model path/to/file.gguf` for llama, qwen2, qwen3 and phi3, against the same weights as safetensors.
+"""`--model path/to/file.gguf` (llama, qwen2, qwen3, phi3, gemma2, gemma3) against the same weights as safetensors.
 
 Each case writes a tiny random checkpoint twice (tests/model/gguf_fixtures.py: an HF directory,
 and a GGUF written independently of pdmesh with gguf.GGUFWriter the way llama.cpp's converter
