@@ -99,11 +99,11 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_kv_heads})")
         self.rope.check_head_dim(self.head_dim)
-        if self.rope.partial_rotary_factor != 1.0:
-            # The native RoPE/attention kernels rotate the whole head; refuse rather than
-            # serve a half-rotated model.
-            raise ValueError(f"partial_rotary_factor={self.rope.partial_rotary_factor} is not "
-                             "supported by this decoder yet")
+        if self.rope.partial_rotary_factor != 1.0 and self.model_type != "phi3":
+            # Of the HF classes we mirror only Phi3's attention rotates a head prefix; the
+            # others would rotate the whole head with a shorter table (or not at all).
+            raise ValueError(f"partial_rotary_factor={self.rope.partial_rotary_factor} is only "
+                             f"supported for Phi3, not {self.architecture}")
 
     @property
     def model_type(self) -> str:

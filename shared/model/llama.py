@@ -270,11 +270,13 @@ class LlamaForCausalLM(nn.Module):
 
         Only for bf16 models over a bf16 KV cache (forward checks the cache each step and
         runs the plain-torch path otherwise, which stays the oracle). A head layout the kernels
-        do not take, or QK-norm (Qwen3), leaves the model on plain torch (returns 0).
+        do not take, QK-norm (Qwen3) or partial rotary (Phi-4-mini: the kernels rotate whole
+        heads) leaves the model on plain torch (returns 0).
         """
         if self.dtype != torch.bfloat16:
             raise ValueError(f"native decode kernels need a bf16 model, not {self.dtype}")
-        if not native.supports(self.geometry) or self.config.qk_norm:  # no QK-norm kernel yet
+        partial = self.rotary.rotary_dim != self.config.head_dim
+        if not native.supports(self.geometry) or self.config.qk_norm or partial:
             return 0
         self.native = native
         for layer in self._decoder_layers:

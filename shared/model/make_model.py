@@ -63,6 +63,7 @@ class ModelSpec:
     dtype: str = "float32"
     vocab_size: int | None = None
     padding_head_scale: float = 1.0
+    partial_rotary_factor: float = 1.0  # phi3 only (Phi-4-mini: 0.75)
 
     def __post_init__(self) -> None:
         if self.arch not in _ARCH_BY_NAME:
@@ -75,6 +76,8 @@ class ModelSpec:
             raise ValueError(f"rope_keys must be legacy or v5, got {self.rope_keys!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.partial_rotary_factor != 1.0 and self.arch != "phi3":
+            raise ValueError("partial_rotary_factor is a phi3 setting")
         if self.num_shards < 1:
             raise ValueError("num_shards must be >= 1")
         if self.vocab_size is not None and self.vocab_size < 1:
@@ -113,6 +116,8 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
         cfg.update(attention_bias=spec.attention_bias, mlp_bias=False)
     if spec.arch == "qwen3":
         cfg.update(attention_bias=spec.attention_bias)
+    if spec.partial_rotary_factor != 1.0:
+        cfg["partial_rotary_factor"] = spec.partial_rotary_factor
     if spec.arch in ("qwen2", "mistral", "qwen3"):
         cfg.update(sliding_window=None, use_sliding_window=False)
     scaling = _rope_scaling(spec)

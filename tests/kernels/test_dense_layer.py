@@ -303,6 +303,18 @@ def test_use_native_refuses_fp32(native: NativeDecoder, tmp_path_factory: pytest
         model.use_native(native)
 
 
+def test_partial_rotary_model_declines_the_native_path(
+        native: NativeDecoder, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The kernels rotate whole heads: a Phi-4-mini-style model (partial_rotary_factor 0.75)
+    stays on plain torch, and its steps are the plain path's."""
+    spec = ModelSpec(arch="phi3", preset="tiny", partial_rotary_factor=0.75)
+    ckpt = write_checkpoint(tmp_path_factory.getbasetemp() / "layer-phi3-partial", spec, None)
+    model = load_model(ckpt, "bfloat16")[0]
+    plain = _run(model, SMALL_STEPS)
+    assert model.use_native(native) == 0 and model.native is None
+    assert torch.equal(_run(model, SMALL_STEPS), plain)
+
+
 def test_native_mxfp4_model_matches_plain_torch(native: NativeDecoder,
                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
     """MXFP4 layers fuse as well, with kernels.mxfp4's fused GEMV (on the code path of the
