@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from shared.model.moe import MoeConfig
 from shared.model.rope import RopeConfig
 
 # architecture -> HF model_type, and back.
@@ -21,6 +22,7 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # fused qkv_proj/gate_up_proj load as-is; longrope in rope.py
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 attention, routed experts (moe.py)
 }
 _BY_MODEL_TYPE = {v: k for k, v in ARCHITECTURES.items()}
 
@@ -36,6 +38,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
               "num_key_value_heads": 32, "sliding_window": 4096, "head_dim": 128},
     "phi3": {"max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 32000,
              "rms_norm_eps": 1e-5, "sliding_window": None},
+    "qwen3_moe": {"max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
+                  "num_key_value_heads": 4, "sliding_window": 4096},
 }
 _COMMON_DEFAULTS: dict[str, Any] = {
     "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
@@ -52,7 +56,9 @@ _TEXT_KEYS = _REQUIRED + (
     "rope_parameters", "original_max_position_embeddings", "max_position_embeddings",
     "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "bos_token_id",
     "eos_token_id", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
-    "partial_rotary_factor", "torch_dtype", "dtype",
+    "partial_rotary_factor", "torch_dtype", "dtype", "num_experts", "num_local_experts",
+    "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "mlp_only_layers",
 )
 
 
@@ -65,7 +71,8 @@ class ModelConfig:
     `qk_norm` (Qwen3) RMS-normalises every query and key head over head_dim before RoPE, with
     one learnt weight per projection; its head_dim is its own, not hidden_size / heads.
     `eos_token_ids` is always a tuple (HF allows an int or a list). `torch_dtype` is the
-    checkpoint's declared storage dtype, informational only.
+    checkpoint's declared storage dtype, informational only. `moe` (Qwen3-MoE) is the expert
+    layout of the sparse layers (shared.model.moe); None for dense models.
     """
 
     architecture: str
@@ -86,6 +93,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    moe: MoeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -136,7 +144,7 @@ class ModelConfig:
         heads = int(cfg["num_attention_heads"])
         max_pos = int(cfg["max_position_embeddings"])
         _refuse_sliding_window(model_type, cfg, max_pos)
-        own_bias = model_type in ("llama", "qwen3") and bool(cfg["attention_bias"])
+        own_bias = model_type in ("llama", "qwen3", "qwen3_moe") and bool(cfg["attention_bias"])
         return ModelConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -152,10 +160,11 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
             attention_bias=model_type == "qwen2" or own_bias,
             attention_out_bias=own_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             bos_token_id=None if cfg["bos_token_id"] is None else int(cfg["bos_token_id"]),
             eos_token_ids=_token_ids(cfg["eos_token_id"]),
             torch_dtype=_dtype_name(cfg.get("torch_dtype") or cfg.get("dtype")),
+            moe=MoeConfig.from_hf(cfg) if model_type == "qwen3_moe" else None,
         )
 
 
@@ -204,6 +213,9 @@ def _refuse_sliding_window(model_type: str, cfg: Mapping[str, Any], max_pos: int
         # HF Qwen2/3: layers >= max_window_layers slide, only when use_sliding_window is set.
         start = int(cfg.get("max_window_layers", 28))
         if cfg.get("use_sliding_window") and int(cfg["num_hidden_layers"]) > start:
+            layer_types = ["sliding_attention"]
+    elif model_type == "qwen3_moe" and not layer_types:
+        if cfg.get("use_sliding_window"):  # HF Qwen3-MoE: then every layer slides
             layer_types = ["sliding_attention"]
     elif model_type in ("mistral", "phi3") and not layer_types:
         layer_types = ["sliding_attention"]  # HF Mistral/Phi3 apply sliding_window to every layer

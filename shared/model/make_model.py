@@ -64,6 +64,13 @@ class ModelSpec:
     vocab_size: int | None = None
     padding_head_scale: float = 1.0
     partial_rotary_factor: float = 1.0  # phi3 only (Phi-4-mini: 0.75)
+    # qwen3_moe only: the expert layout (shared.model.moe.MoeConfig), HF key names.
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.arch not in _ARCH_BY_NAME:
@@ -114,11 +121,17 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     }
     if spec.arch == "llama":
         cfg.update(attention_bias=spec.attention_bias, mlp_bias=False)
-    if spec.arch == "qwen3":
+    if spec.arch in ("qwen3", "qwen3_moe"):
         cfg.update(attention_bias=spec.attention_bias)
+    if spec.arch == "qwen3_moe":
+        cfg.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                   moe_intermediate_size=spec.moe_intermediate_size,
+                   norm_topk_prob=spec.norm_topk_prob,
+                   decoder_sparse_step=spec.decoder_sparse_step,
+                   mlp_only_layers=list(spec.mlp_only_layers))
     if spec.partial_rotary_factor != 1.0:
         cfg["partial_rotary_factor"] = spec.partial_rotary_factor
-    if spec.arch in ("qwen2", "mistral", "qwen3"):
+    if spec.arch in ("qwen2", "mistral", "qwen3", "qwen3_moe"):
         cfg.update(sliding_window=None, use_sliding_window=False)
     scaling = _rope_scaling(spec)
     if spec.rope_keys == "legacy":
@@ -155,7 +168,8 @@ def random_weights(spec: ModelSpec, cfg: dict[str, Any]) -> dict[str, torch.Tens
 
     rows = spec.rows
     w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(rows, hidden, std=1.0)}
-    qkv_bias = spec.arch == "qwen2" or (spec.arch in ("llama", "qwen3") and spec.attention_bias)
+    own_bias = spec.arch in ("llama", "qwen3", "qwen3_moe") and spec.attention_bias
+    qkv_bias = spec.arch == "qwen2" or own_bias
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = 1.0 + normal(hidden, std=0.1)
@@ -164,15 +178,21 @@ def random_weights(spec: ModelSpec, cfg: dict[str, Any]) -> dict[str, torch.Tens
             w[p + f"self_attn.{name}.weight"] = proj(size, hidden)
             if qkv_bias:
                 w[p + f"self_attn.{name}.bias"] = normal(size, std=0.5)
-        if spec.arch == "qwen3":
+        if spec.arch in ("qwen3", "qwen3_moe"):
             for name in ("q_norm", "k_norm"):
                 w[p + f"self_attn.{name}.weight"] = 1.0 + normal(cfg["head_dim"], std=0.1)
         w[p + "self_attn.o_proj.weight"] = proj(hidden, q)
-        if spec.arch in ("llama", "qwen3") and spec.attention_bias:
+        if own_bias:
             w[p + "self_attn.o_proj.bias"] = normal(hidden, std=0.1)
-        w[p + "mlp.gate_proj.weight"] = proj(inter, hidden)
-        w[p + "mlp.up_proj.weight"] = proj(inter, hidden)
-        w[p + "mlp.down_proj.weight"] = proj(hidden, inter)
+        sparse = spec.arch == "qwen3_moe" and _is_sparse(spec, i)
+        mlps = ([(f"mlp.experts.{e}.", spec.moe_intermediate_size)
+                 for e in range(spec.num_experts)] if sparse else [("mlp.", inter)])
+        for prefix, width in mlps:
+            w[p + prefix + "gate_proj.weight"] = proj(width, hidden)
+            w[p + prefix + "up_proj.weight"] = proj(width, hidden)
+            w[p + prefix + "down_proj.weight"] = proj(hidden, width)
+        if sparse:  # router logits of std ~2: routing varies from token to token
+            w[p + "mlp.gate.weight"] = normal(spec.num_experts, hidden, std=2 * hidden ** -0.5)
     w["model.norm.weight"] = 1.0 + normal(hidden, std=0.1)
     if spec.arch == "phi3":
         _fuse_phi3(w, cfg["num_hidden_layers"])
@@ -181,6 +201,11 @@ def random_weights(spec: ModelSpec, cfg: dict[str, Any]) -> dict[str, torch.Tens
         w["lm_head.weight"][VOCAB_SIZE:] *= spec.padding_head_scale
     dtype = torch.float32 if spec.dtype == "float32" else torch.bfloat16
     return {k: v.to(dtype).contiguous() for k, v in w.items()}
+
+
+def _is_sparse(spec: ModelSpec, layer: int) -> bool:
+    """HF Qwen3MoeDecoderLayer's rule (shared.model.moe.MoeConfig.is_sparse)."""
+    return layer not in spec.mlp_only_layers and (layer + 1) % spec.decoder_sparse_step == 0
 
 
 def _fuse_phi3(w: dict[str, torch.Tensor], layers: int) -> None:
