@@ -29,6 +29,9 @@ PRESETS: dict[str, dict[str, int]] = {
              "num_key_value_heads": 2, "intermediate_size": 128},
     "small": {"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
               "num_key_value_heads": 2, "intermediate_size": 256},
+    # Benchmarks (benchmarks/engine.py --moe): big enough that weights, not overheads, dominate.
+    "medium": {"num_hidden_layers": 8, "hidden_size": 512, "num_attention_heads": 8,
+               "num_key_value_heads": 4, "intermediate_size": 1536},
 }
 _ARCH_BY_NAME = {model_type: arch for arch, model_type in ARCHITECTURES.items()}
 
