@@ -278,14 +278,14 @@ class LlamaForCausalLM(nn.Module):
 
         Only for bf16 models over a bf16 KV cache (forward checks the cache each step and
         runs the plain-torch path otherwise, which stays the oracle). A head layout the kernels
-        do not take, QK-norm (Qwen3), partial rotary (Phi-4-mini: the kernels rotate whole
-        heads) or routed experts (Qwen3-MoE) leaves the model on plain torch (returns 0).
+        do not take, QK-norm (Qwen3) or routed experts (Qwen3-MoE) leaves the model on plain
+        torch (returns 0). Partial rotary (Phi-4-mini) runs natively: the kernels rotate as
+        many channels per head as the cos/sin table is wide.
         """
         if self.dtype != torch.bfloat16:
             raise ValueError(f"native decode kernels need a bf16 model, not {self.dtype}")
-        partial = self.rotary.rotary_dim != self.config.head_dim
         moe = self.config.moe is not None  # routed experts have no native block either
-        if not native.supports(self.geometry) or self.config.qk_norm or partial or moe:
+        if not native.supports(self.geometry) or self.config.qk_norm or moe:
             return 0
         self.native = native
         for layer in self._decoder_layers:
