@@ -5,9 +5,10 @@
     native.decoder_layer(h, kv_layer, cos_sin, tables, weights, geometry)   # h updated in place
     native.decoder_layers(h, kv_cache, cos_sin, tables, stack, geometry)    # every layer at once
 
-rope_attention does RoPE on q and k, writes K/V into the paged cache and runs causal attention
-over each sequence's context straight from its block table (no gather, no padding; prefill
-chunks and decode rows in one batch). decoder_layer runs a whole pre-norm Llama block on the
+rope_attention does RoPE on q and k (over the first R channels of each head, R the cos/sin
+table's width: partial rotary when R < head_dim), writes K/V into the paged cache and runs
+causal attention over each sequence's context straight from its block table (no gather, no
+padding; prefill chunks and decode rows in one batch). decoder_layer runs a whole pre-norm Llama block on the
 bf16 residual stream h [T, hidden]: RMSNorm, fused-qkv projection, RoPE + cache write +
 attention, o projection + residual, RMSNorm, gate/up projection, SiLU * up, down projection +
 residual. A dense projection of up to 32 rows runs the dense GEMV, a larger one (prefill) torch's

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.model.gemma_config import GEMMA_DEFAULTS, GEMMA_TYPES, GemmaSpec, gemma_from_hf
+from shared.model.moe import MoeConfig
 from shared.model.rope import RopeConfig
 
 # architecture -> HF model_type, and back.
@@ -24,6 +25,7 @@ ARCHITECTURES: dict[str, str] = {
     "Phi3ForCausalLM": "phi3",  # fused qkv_proj/gate_up_proj load as-is; longrope in rope.py
     "Gemma2ForCausalLM": "gemma2",  # shared.model.gemma
     "Gemma3ForCausalLM": "gemma3_text",
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 attention, routed experts (moe.py)
 }
 _BY_MODEL_TYPE = {v: k for k, v in ARCHITECTURES.items()}
 
@@ -40,6 +42,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "phi3": {"max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 32000,
              "rms_norm_eps": 1e-5, "sliding_window": None},
     **GEMMA_DEFAULTS,
+    "qwen3_moe": {"max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
+                  "num_key_value_heads": 4, "sliding_window": 4096},
 }
 _COMMON_DEFAULTS: dict[str, Any] = {
     "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
@@ -59,6 +63,9 @@ _TEXT_KEYS = _REQUIRED + (
     "partial_rotary_factor", "torch_dtype", "dtype", "hidden_activation",
     "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
     "rope_local_base_freq", "sliding_window_pattern", "use_bidirectional_attention",
+    "partial_rotary_factor", "torch_dtype", "dtype", "num_experts", "num_local_experts",
+    "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "mlp_only_layers",
 )
 
 
@@ -71,7 +78,8 @@ class ModelConfig:
     `qk_norm` (Qwen3) RMS-normalises every query and key head over head_dim before RoPE, with
     one learnt weight per projection; its head_dim is its own, not hidden_size / heads.
     `eos_token_ids` is always a tuple (HF allows an int or a list). `torch_dtype` is the
-    checkpoint's declared storage dtype, informational only.
+    checkpoint's declared storage dtype, informational only. `moe` (Qwen3-MoE) is the expert
+    layout of the sparse layers (shared.model.moe); None for dense models.
     """
 
     architecture: str
@@ -93,6 +101,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
     gemma: GemmaSpec | None = None  # Gemma 2 / 3 only: soft-caps, windows, local RoPE
+    moe: MoeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -106,11 +115,11 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_kv_heads})")
         self.rope.check_head_dim(self.head_dim)
-        if self.rope.partial_rotary_factor != 1.0:
-            # The native RoPE/attention kernels rotate the whole head; refuse rather than
-            # serve a half-rotated model.
-            raise ValueError(f"partial_rotary_factor={self.rope.partial_rotary_factor} is not "
-                             "supported by this decoder yet")
+        if self.rope.partial_rotary_factor != 1.0 and self.model_type != "phi3":
+            # Of the HF classes we mirror only Phi3's attention rotates a head prefix; the
+            # others would rotate the whole head with a shorter table (or not at all).
+            raise ValueError(f"partial_rotary_factor={self.rope.partial_rotary_factor} is only "
+                             f"supported for Phi3, not {self.architecture}")
 
     @property
     def model_type(self) -> str:
@@ -148,7 +157,8 @@ class ModelConfig:
             spec, rope = gemma_from_hf(model_type, cfg, int(cfg["num_hidden_layers"]), max_pos)
         else:
             _refuse_sliding_window(model_type, cfg, max_pos)
-        own_bias = model_type in ("llama", "qwen3", *GEMMA_TYPES) and bool(cfg["attention_bias"])
+        own_bias = (model_type in ("llama", "qwen3", "qwen3_moe", *GEMMA_TYPES)
+                    and bool(cfg["attention_bias"]))
         return ModelConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -164,11 +174,12 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
             attention_bias=model_type == "qwen2" or own_bias,
             attention_out_bias=own_bias,
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             bos_token_id=None if cfg["bos_token_id"] is None else int(cfg["bos_token_id"]),
             eos_token_ids=_token_ids(cfg["eos_token_id"]),
             torch_dtype=_dtype_name(cfg.get("torch_dtype") or cfg.get("dtype")),
             gemma=spec,
+            moe=MoeConfig.from_hf(cfg) if model_type == "qwen3_moe" else None,
         )
 
 
@@ -217,6 +228,9 @@ def _refuse_sliding_window(model_type: str, cfg: Mapping[str, Any], max_pos: int
         # HF Qwen2/3: layers >= max_window_layers slide, only when use_sliding_window is set.
         start = int(cfg.get("max_window_layers", 28))
         if cfg.get("use_sliding_window") and int(cfg["num_hidden_layers"]) > start:
+            layer_types = ["sliding_attention"]
+    elif model_type == "qwen3_moe" and not layer_types:
+        if cfg.get("use_sliding_window"):  # HF Qwen3-MoE: then every layer slides
             layer_types = ["sliding_attention"]
     elif model_type in ("mistral", "phi3") and not layer_types:
         layer_types = ["sliding_attention"]  # HF Mistral/Phi3 apply sliding_window to every layer

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Qwen2, Mistral, Qwen3) in plain torch, over the paged KV cache.
+"""The Llama-family decoder (Llama, Qwen2, Mistral, Qwen3, Phi-3, Qwen3-MoE) in plain torch, over
+the paged KV cache. A Qwen3-MoE layer swaps its MLP for shared.model.moe's SparseMoeBlock.
 
 Hot-path shape conventions: T = number of new tokens in the batch (all sequences packed,
 sequence-major), H / KVH = query / kv heads, D = head_dim. q, k and v come out of one fused
@@ -29,6 +30,7 @@ from kernels.dense.layer import (
 from kernels.mxfp4.backend import FUSED_MAX_ROWS
 from shared.model.attention import AttentionMetadata, paged_attention
 from shared.model.config import ModelConfig
+from shared.model.moe import SparseMoeBlock, hf_expert_params
 from shared.model.quant import (
     PACKED_SUFFIXES,
     MXFP4Linear,
@@ -150,14 +152,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). `layer` is the global index:
+    it picks the dense MLP or, on a sparse layer of an MoE model, the routed experts."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Attention(config, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype)
+        self.mlp: MLP | SparseMoeBlock = (
+            SparseMoeBlock(config.moe, config.hidden_size, dtype)
+            if config.moe is not None and config.moe.is_sparse(layer) else MLP(config, dtype))
         self.fused: LayerWeights | None = None  # set by LlamaForCausalLM.use_native
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -176,6 +181,7 @@ class DecoderLayer(nn.Module):
             native.decoder_layer(x, kv_layer, cos_sin, tables, self.fused, g)
             return x
         attn, mlp = self.self_attn, self.mlp
+        assert isinstance(mlp, MLP), "use_native keeps MoE models on plain torch"
         xn = native.rms_norm(x, self.input_layernorm.weight, g.rms_norm_eps)
         xn = native.add_rms_norm(x, attn.forward_native(xn, cos_sin, kv_layer, tables, native, g),
                                  self.post_attention_layernorm.weight, g.rms_norm_eps)
@@ -187,6 +193,8 @@ class DecoderLayer(nn.Module):
         dense bf16 nor MXFP4 on the full library's code path mxfp4_path (the one the fused
         block calls), or the model is not bf16."""
         attn, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, MLP):  # routed experts: no fused kernel
+            return None
         qkv, o, gate_up, down = (_projection(m, mxfp4_path)
                                  for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                            mlp.down_proj))
@@ -270,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def make_layer(config: ModelConfig, dtype: torch.dtype, index: int) -> nn.Module:
         """Decoder layer `index` (global); a family variant overrides it (shared.model.gemma)."""
-        return DecoderLayer(config, dtype)
+        return DecoderLayer(config, dtype, index)
 
     @staticmethod
     def make_norm(config: ModelConfig, dtype: torch.dtype) -> RMSNorm:
@@ -278,8 +286,14 @@ class LlamaForCausalLM(nn.Module):
         return RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def layer_params(self) -> dict[str, tuple[str, int | None]]:
-        """HF per-layer tensor name -> (our parameter, fused slice or None)."""
-        return _PHI3_PARAMS if self.config.model_type == "phi3" else _LAYER_PARAMS
+        """HF per-layer tensor name -> (our parameter, fused slice or None) for this
+        architecture (dense and sparse layers alike: _weight_map keeps the names a layer
+        has); a family variant extends it."""
+        if self.config.model_type == "phi3":
+            return _PHI3_PARAMS
+        if self.config.moe is not None:
+            return {**_LAYER_PARAMS, **hf_expert_params(self.config.moe.num_experts)}
+        return _LAYER_PARAMS
 
     def use_native(self, native: NativeDecoder) -> int:
         """Route forward through native's kernels (kernels.dense.layer) from now on: paged
@@ -289,11 +303,14 @@ class LlamaForCausalLM(nn.Module):
 
         Only for bf16 models over a bf16 KV cache (forward checks the cache each step and
         runs the plain-torch path otherwise, which stays the oracle). A head layout the kernels
-        do not take, or QK-norm (Qwen3), leaves the model on plain torch (returns 0).
+        do not take, QK-norm (Qwen3) or routed experts (Qwen3-MoE) leaves the model on plain
+        torch (returns 0). Partial rotary (Phi-4-mini) runs natively: the kernels rotate as
+        many channels per head as the cos/sin table is wide.
         """
         if self.dtype != torch.bfloat16:
             raise ValueError(f"native decode kernels need a bf16 model, not {self.dtype}")
-        if not native.supports(self.geometry) or self.config.qk_norm:  # no QK-norm kernel yet
+        moe = self.config.moe is not None  # routed experts have no native block either
+        if not native.supports(self.geometry) or self.config.qk_norm or moe:
             return 0
         self.native = native
         for layer in self._decoder_layers:
@@ -400,7 +417,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 out.setdefault(hf_name, []).append((target, part))
 
-        params = self.layer_params()
+        params = self._layer_params
         for local, layer in enumerate(range(self.start, self.end)):
             for suffix, (param, part) in params.items():
                 if f"layers.{local}.{param}" in targets:
@@ -417,6 +434,10 @@ class LlamaForCausalLM(nn.Module):
         return out
 
     @functools.cached_property
+    def _layer_params(self) -> dict[str, tuple[str, int | None]]:
+        return self.layer_params()
+
+    @functools.cached_property
     def _quantized_weights(self) -> frozenset[str]:
         """`X.weight` for every MXFP4Linear X (weights that are not Parameters)."""
         return frozenset(f"{name}.weight" for name, module in self.named_modules()
@@ -429,7 +450,7 @@ class LlamaForCausalLM(nn.Module):
                                             "lm_head.weight"):
             return True
         m = _LAYER_NAME.fullmatch(name)
-        return (m is not None and m.group(2) in self.layer_params()
+        return (m is not None and m.group(2) in self._layer_params
                 and not self.start <= int(m.group(1)) < self.end
                 and int(m.group(1)) < self.config.num_layers)
 
@@ -438,8 +459,9 @@ class LlamaForCausalLM(nn.Module):
         sizes: tuple[int, ...]
         if "qkv_proj" in param_name:
             sizes = (c.q_size, c.kv_size, c.kv_size)
-        else:
-            sizes = (c.intermediate_size, c.intermediate_size)
+        else:  # gate_up_proj [2 I, hidden]: the dense MLP's I, or an expert's
+            half = _out_features(self.get_submodule(param_name.rpartition(".")[0])) // 2
+            sizes = (half, half)
         lo = sum(sizes[:part])
         return lo, lo + sizes[part]
 
@@ -459,6 +481,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, "
                              f"expected {tuple(dest.shape)}")
         dest.copy_(src)
+
+
+def _out_features(linear: nn.Module) -> int:
+    """Rows of a linear's weight, whether nn.Linear, DenseLinear or MXFP4Linear."""
+    out = getattr(linear, "out_features", None)
+    assert isinstance(out, int), f"{type(linear).__name__} has no out_features"
+    return out
 
 
 def _canonical(name: str) -> str:

@@ -29,6 +29,9 @@ PRESETS: dict[str, dict[str, int]] = {
              "num_key_value_heads": 2, "intermediate_size": 128},
     "small": {"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
               "num_key_value_heads": 2, "intermediate_size": 256},
+    # Benchmarks (benchmarks/engine.py --moe): big enough that weights, not overheads, dominate.
+    "medium": {"num_hidden_layers": 8, "hidden_size": 512, "num_attention_heads": 8,
+               "num_key_value_heads": 4, "intermediate_size": 1536},
 }
 _ARCH_BY_NAME = {model_type: arch for arch, model_type in ARCHITECTURES.items()}
 
@@ -65,6 +68,14 @@ class ModelSpec:
     padding_head_scale: float = 1.0
     sliding_window: int = 8  # gemma2 / gemma3_text: layer 0 slides, layer 1 attends fully
     rope_local_theta: float = 1000.0  # gemma3_text's sliding layers (rope_local_base_freq)
+    partial_rotary_factor: float = 1.0  # phi3 only (Phi-4-mini: 0.75)
+    # qwen3_moe only: the expert layout (shared.model.moe.MoeConfig), HF key names.
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.arch not in _ARCH_BY_NAME:
@@ -77,6 +88,8 @@ class ModelSpec:
             raise ValueError(f"rope_keys must be legacy or v5, got {self.rope_keys!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.partial_rotary_factor != 1.0 and self.arch != "phi3":
+            raise ValueError("partial_rotary_factor is a phi3 setting")
         if self.num_shards < 1:
             raise ValueError("num_shards must be >= 1")
         if self.vocab_size is not None and self.vocab_size < 1:
@@ -113,9 +126,17 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     }
     if spec.arch == "llama":
         cfg.update(attention_bias=spec.attention_bias, mlp_bias=False)
-    if spec.arch == "qwen3":
+    if spec.arch in ("qwen3", "qwen3_moe"):
         cfg.update(attention_bias=spec.attention_bias)
-    if spec.arch in ("qwen2", "mistral", "qwen3"):
+    if spec.arch == "qwen3_moe":
+        cfg.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                   moe_intermediate_size=spec.moe_intermediate_size,
+                   norm_topk_prob=spec.norm_topk_prob,
+                   decoder_sparse_step=spec.decoder_sparse_step,
+                   mlp_only_layers=list(spec.mlp_only_layers))
+    if spec.partial_rotary_factor != 1.0:
+        cfg["partial_rotary_factor"] = spec.partial_rotary_factor
+    if spec.arch in ("qwen2", "mistral", "qwen3", "qwen3_moe"):
         cfg.update(sliding_window=None, use_sliding_window=False)
     if spec.arch in ("gemma2", "gemma3_text"):
         _gemma_keys(spec, cfg)
@@ -177,7 +198,8 @@ def random_weights(spec: ModelSpec, cfg: dict[str, Any]) -> dict[str, torch.Tens
     w: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": normal(rows, hidden, std=hidden ** -0.5 if gemma else 1.0)}
     norm_one = 0.0 if gemma else 1.0
-    qkv_bias = spec.arch == "qwen2" or (spec.arch in ("llama", "qwen3") and spec.attention_bias)
+    own_bias = spec.arch in ("llama", "qwen3", "qwen3_moe") and spec.attention_bias
+    qkv_bias = spec.arch == "qwen2" or own_bias
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         norms = ["input_layernorm", "post_attention_layernorm"]
@@ -189,15 +211,21 @@ def random_weights(spec: ModelSpec, cfg: dict[str, Any]) -> dict[str, torch.Tens
             w[p + f"self_attn.{name}.weight"] = proj(size, hidden)
             if qkv_bias:
                 w[p + f"self_attn.{name}.bias"] = normal(size, std=0.5)
-        if spec.arch in ("qwen3", "gemma3_text"):
+        if spec.arch in ("qwen3", "qwen3_moe", "gemma3_text"):
             for name in ("q_norm", "k_norm"):
                 w[p + f"self_attn.{name}.weight"] = norm_one + normal(cfg["head_dim"], std=0.1)
         w[p + "self_attn.o_proj.weight"] = proj(hidden, q)
-        if spec.arch in ("llama", "qwen3") and spec.attention_bias:
+        if own_bias:
             w[p + "self_attn.o_proj.bias"] = normal(hidden, std=0.1)
-        w[p + "mlp.gate_proj.weight"] = proj(inter, hidden)
-        w[p + "mlp.up_proj.weight"] = proj(inter, hidden)
-        w[p + "mlp.down_proj.weight"] = proj(hidden, inter)
+        sparse = spec.arch == "qwen3_moe" and _is_sparse(spec, i)
+        mlps = ([(f"mlp.experts.{e}.", spec.moe_intermediate_size)
+                 for e in range(spec.num_experts)] if sparse else [("mlp.", inter)])
+        for prefix, width in mlps:
+            w[p + prefix + "gate_proj.weight"] = proj(width, hidden)
+            w[p + prefix + "up_proj.weight"] = proj(width, hidden)
+            w[p + prefix + "down_proj.weight"] = proj(hidden, width)
+        if sparse:  # router logits of std ~2: routing varies from token to token
+            w[p + "mlp.gate.weight"] = normal(spec.num_experts, hidden, std=2 * hidden ** -0.5)
     w["model.norm.weight"] = norm_one + normal(hidden, std=0.1)
     if spec.arch == "phi3":
         _fuse_phi3(w, cfg["num_hidden_layers"])
@@ -206,6 +234,11 @@ def random_weights(spec: ModelSpec, cfg: dict[str, Any]) -> dict[str, torch.Tens
         w["lm_head.weight"][VOCAB_SIZE:] *= spec.padding_head_scale
     dtype = torch.float32 if spec.dtype == "float32" else torch.bfloat16
     return {k: v.to(dtype).contiguous() for k, v in w.items()}
+
+
+def _is_sparse(spec: ModelSpec, layer: int) -> bool:
+    """HF Qwen3MoeDecoderLayer's rule (shared.model.moe.MoeConfig.is_sparse)."""
+    return layer not in spec.mlp_only_layers and (layer + 1) % spec.decoder_sparse_step == 0
 
 
 def _fuse_phi3(w: dict[str, torch.Tensor], layers: int) -> None:

@@ -5,8 +5,10 @@ Supported scalings (HF transformers semantics): `default`, `linear` (frequencies
 `llama3` (low frequencies / factor, a smooth ramp in between) and `longrope` (Phi-3: per-frequency
 `short_factor`/`long_factor` divisors, cos/sin scaled by the attention factor) and `yarn` (gpt-oss,
 Qwen long context: interpolated frequencies below a ramp, original ones above, cos/sin scaled by
-the attention factor). Anything else (mrope...) is refused rather than approximated. `partial_rotary_factor` is parsed here; the decoder
-refuses it until it rotates only the first `rotary_dim` channels.
+the attention factor). Anything else (mrope...) is refused rather than approximated.
+`partial_rotary_factor` (Phi-4-mini: 0.75) makes every table `rotary_dim` wide and
+`RotaryEmbedding.apply` rotate only the first `rotary_dim` channels of each head, passing the
+rest through (HF Phi3's apply_rotary_pos_emb).
 
 LongRoPE, like dynamic NTK below, is made per position: position p uses the long factors when
 `p + 1 > original_max_position_embeddings`, i.e. HF's decode path token for token.

@@ -212,8 +212,8 @@ def model_config(case: Case, hf_tok: PreTrainedTokenizerFast, seed: int) -> tupl
         # exact in float32, as GGUF stores it: no rounding gap between the two sides
         "rms_norm_eps": 2.0 ** -16, "rope_theta": 10000.0}
     if case.arch == "phi3":
-        half = int(case.head_dim * 1.0) // 2
-        cfg.update(partial_rotary_factor=1.0, sliding_window=None,
+        half = int(case.head_dim * 0.75) // 2
+        cfg.update(partial_rotary_factor=0.75, sliding_window=None,
                    original_max_position_embeddings=PHI3_ORIG_CONTEXT,
                    rope_scaling={"type": "longrope",
                                  "long_factor": [1.0 + 0.25 * i for i in range(half)],

@@ -104,7 +104,7 @@ def test_llama3_rope_defaults_original_context_like_hf() -> None:
 
 
 @pytest.mark.parametrize("scaling, match", [
-    ({"rope_type": "yarn", "factor": 4.0}, "unsupported rope scaling type 'yarn'"),
+    ({"rope_type": "mrope", "factor": 4.0}, "unsupported rope scaling type 'mrope'"),
     ({"rope_type": "linear"}, "needs a 'factor'"),
     ({"rope_type": "llama3", "factor": 8.0}, "low_freq_factor"),
     ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),

@@ -26,8 +26,12 @@ FAMILIES = {
     # QK-norm and a head_dim (48) that is not hidden / heads (32).
     "qwen3": ModelSpec(arch="qwen3", preset="small", tie_word_embeddings=False, head_dim=48,
                        seed=3),
-    # Fused qkv_proj/gate_up_proj in the checkpoint.
-    "phi3": ModelSpec(arch="phi3", preset="small", tie_word_embeddings=False, seed=3),
+    # Fused qkv_proj/gate_up_proj in the checkpoint; Phi-4-mini's partial rotary.
+    "phi3": ModelSpec(arch="phi3", preset="small", tie_word_embeddings=False, seed=3,
+                      partial_rotary_factor=0.75),
+    # Routed experts on layers 1 and 3 (decoder_sparse_step 2): one sparse layer per stage.
+    "qwen3_moe": ModelSpec(arch="qwen3_moe", preset="small", tie_word_embeddings=False, seed=3,
+                           decoder_sparse_step=2),
     # Sandwich norms, soft-caps, sliding layers (window 8) and a local RoPE base.
     "gemma2": ModelSpec(arch="gemma2", preset="small", seed=3),
     "gemma3": ModelSpec(arch="gemma3_text", preset="small", tie_word_embeddings=False, seed=3),
