@@ -176,3 +176,11 @@ def _materialised(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
     probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]  # the sink takes mass
     return probs @ values
+
+
+def window_of(meta: AttentionMetadata, window: int | None) -> int | None:
+    """The window to apply in this step, or None when no context can exceed it (then the causal
+    mask alone is exact and cheaper)."""
+    if window is None or int(meta.context_lens.max()) <= window:
+        return None
+    return window

@@ -13,6 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.model.gemma_config import GEMMA_DEFAULTS, GEMMA_TYPES, GemmaSpec, gemma_from_hf
+from shared.model.gpt_oss_config import (
+    GPT_OSS_DEFAULTS,
+    GPT_OSS_TYPE,
+    GptOssSpec,
+    gpt_oss_from_hf,
+    with_default_rope,
+)
 from shared.model.moe import MoeConfig
 from shared.model.rope import RopeConfig
 
@@ -26,6 +33,7 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",  # shared.model.gemma
     "Gemma3ForCausalLM": "gemma3_text",
     "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 attention, routed experts (moe.py)
+    "GptOssForCausalLM": "gpt_oss",  # shared.model.gpt_oss
 }
 _BY_MODEL_TYPE = {v: k for k, v in ARCHITECTURES.items()}
 
@@ -42,6 +50,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "phi3": {"max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 32000,
              "rms_norm_eps": 1e-5, "sliding_window": None},
     **GEMMA_DEFAULTS,
+    GPT_OSS_TYPE: GPT_OSS_DEFAULTS,
     "qwen3_moe": {"max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
                   "num_key_value_heads": 4, "sliding_window": 4096},
 }
@@ -65,7 +74,7 @@ _TEXT_KEYS = _REQUIRED + (
     "rope_local_base_freq", "sliding_window_pattern", "use_bidirectional_attention",
     "partial_rotary_factor", "torch_dtype", "dtype", "num_experts", "num_local_experts",
     "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-    "mlp_only_layers",
+    "mlp_only_layers", "swiglu_alpha", "swiglu_limit",
 )
 
 
@@ -102,6 +111,7 @@ class ModelConfig:
     torch_dtype: str | None = None
     gemma: GemmaSpec | None = None  # Gemma 2 / 3 only: soft-caps, windows, local RoPE
     moe: MoeConfig | None = None
+    gpt_oss: GptOssSpec | None = None  # gpt-oss only: experts, sinks' layout, windows
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -152,12 +162,16 @@ class ModelConfig:
             raise ValueError("mlp_bias=true is not supported")
         heads = int(cfg["num_attention_heads"])
         max_pos = int(cfg["max_position_embeddings"])
-        spec, rope = None, None
+        spec, rope, oss = None, None, None
+        layers = int(cfg["num_hidden_layers"])
         if gemma:
-            spec, rope = gemma_from_hf(model_type, cfg, int(cfg["num_hidden_layers"]), max_pos)
+            spec, rope = gemma_from_hf(model_type, cfg, layers, max_pos)
+        elif model_type == GPT_OSS_TYPE:
+            cfg = with_default_rope(cfg)
+            oss = gpt_oss_from_hf(cfg, layers)
         else:
             _refuse_sliding_window(model_type, cfg, max_pos)
-        own_bias = (model_type in ("llama", "qwen3", "qwen3_moe", *GEMMA_TYPES)
+        own_bias = (model_type in ("llama", "qwen3", "qwen3_moe", GPT_OSS_TYPE, *GEMMA_TYPES)
                     and bool(cfg["attention_bias"]))
         return ModelConfig(
             architecture=arch,
@@ -180,6 +194,7 @@ class ModelConfig:
             torch_dtype=_dtype_name(cfg.get("torch_dtype") or cfg.get("dtype")),
             gemma=spec,
             moe=MoeConfig.from_hf(cfg) if model_type == "qwen3_moe" else None,
+            gpt_oss=oss,
         )
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.model.attention import AttentionMetadata, paged_attention
+from shared.model.attention import AttentionMetadata, paged_attention, window_of
 from shared.model.config import ModelConfig
 from shared.model.llama import Attention, LlamaForCausalLM, RMSNorm
 from shared.model.rope import RotaryEmbedding
@@ -57,14 +57,6 @@ def scaled_embedding(embed: nn.Embedding, ids: torch.Tensor, hidden_size: int) -
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     """tanh(x / cap) * cap, or x unchanged when cap is None."""
     return x if cap is None else torch.tanh(x / cap) * cap
-
-
-def window_of(meta: AttentionMetadata, window: int | None) -> int | None:
-    """The window to apply in this step, or None when no context can exceed it (then the causal
-    mask alone is exact and cheaper)."""
-    if window is None or int(meta.context_lens.max()) <= window:
-        return None
-    return window
 
 
 class GemmaAttention(Attention):

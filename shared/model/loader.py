@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from shared.model.config import ModelConfig
 from shared.model.gemma import GemmaForCausalLM
+from shared.model.gpt_oss import GptOssForCausalLM
 from shared.model.llama import LlamaForCausalLM
 from shared.model.quant import QuantConfig, resolve_quantization
 
@@ -143,6 +144,8 @@ def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
     """The decoder class for a config: Llama's, or a family variant built on it."""
     if config.gemma is not None:
         return GemmaForCausalLM
+    if config.gpt_oss is not None:
+        return GptOssForCausalLM
     return LlamaForCausalLM
 
 
