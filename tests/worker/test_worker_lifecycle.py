@@ -68,7 +68,10 @@ async def test_grace_period_expiry_aborts_and_exits_0() -> None:
     async with aiohttp.ClientSession() as session:
         await wait_status(session, f"{base}/health", 200, 10)
         stuck = asyncio.create_task(session.post(f"{base}/v1/completions", json={"prompt": "hi"}))
-        await asyncio.sleep(0.1)
+        for _ in range(500):  # until the request holds blocks (a fixed sleep raced a busy CI)
+            if engine.blocks:
+                break
+            await asyncio.sleep(0.01)
         assert engine.blocks
         os.kill(os.getpid(), signal.SIGTERM)
         assert await asyncio.wait_for(server, 10) == 0
