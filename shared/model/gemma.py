@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.model.attention import AttentionMetadata, paged_attention, window_of
+from shared.model.attention import AttentionMetadata
 from shared.model.config import ModelConfig
-from shared.model.llama import Attention, LlamaForCausalLM, RMSNorm
+from shared.model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 from shared.model.rope import RotaryEmbedding
 
 
@@ -74,23 +74,9 @@ class GemmaAttention(Attention):
             self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.project(x, cos, sin)
-        out = paged_attention(q, k, v, kv_layer, meta, self.scale,
-                              window=window_of(meta, self.window), softcap=self.softcap)
-        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
-
-class GemmaMLP(nn.Module):
-    """GeGLU: down(gelu_tanh(gate(x)) * up(x)), gate and up fused into one Linear."""
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
-                                      bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False,
-                                   dtype=dtype)
+class GemmaMLP(MLP):
+    """GeGLU: down(gelu_tanh(gate(x)) * up(x)), Llama's fused layout with another activation."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_tanh_mul(self.gate_up_proj(x)))

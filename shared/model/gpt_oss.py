@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.model.attention import AttentionMetadata, paged_attention, window_of
+from shared.model.attention import AttentionMetadata
 from shared.model.config import ModelConfig
 from shared.model.gpt_oss_config import GptOssSpec
 from shared.model.llama import _LAYER_PARAMS, Attention, LlamaForCausalLM, RMSNorm
@@ -57,13 +57,6 @@ class SinkAttention(Attention):
         assert config.gpt_oss is not None
         self.window = config.gpt_oss.window(layer)
         self.sinks = nn.Parameter(torch.empty(config.num_heads, dtype=dtype))
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.project(x, cos, sin)
-        out = paged_attention(q, k, v, kv_layer, meta, self.scale,
-                              window=window_of(meta, self.window), sinks=self.sinks)
-        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
 class ClampedExpert(nn.Module):

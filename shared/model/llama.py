@@ -28,7 +28,7 @@ from kernels.dense.layer import (
     pack_contiguous,
 )
 from kernels.mxfp4.backend import FUSED_MAX_ROWS
-from shared.model.attention import AttentionMetadata, paged_attention
+from shared.model.attention import AttentionMetadata, paged_attention, window_of
 from shared.model.config import ModelConfig
 from shared.model.moe import SparseMoeBlock, hf_expert_params
 from shared.model.quant import (
@@ -108,11 +108,17 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        # Family variants (shared.model.gemma, gpt_oss) set these on the plain path.
+        self.window: int | None = None  # sliding window of this layer
+        self.softcap: float | None = None  # tanh cap on the scores
+        self.sinks: nn.Parameter | None = None  # [H] sink logits
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)
-        out = paged_attention(q, k, v, kv_layer, meta, self.scale)  # [T, H, D]
+        out = paged_attention(q, k, v, kv_layer, meta, self.scale,
+                              window=window_of(meta, self.window), softcap=self.softcap,
+                              sinks=self.sinks)  # [T, H, D]
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
