@@ -1,0 +1,96 @@
+"""Drafter: which running decodes speculate this step, with which draft, and the counters.
+
+The scheduler asks it once per step (`enabled`) and once per decode (`propose`). A request
+speculates only where the verifier can reproduce, at every drafted position, exactly what
+sampling one token at a time would do. Requests that use any of the following never
+speculate (they decode one token per step as before):
+- repetition / presence / frequency penalties (they depend on the tokens before each
+  position, which differ inside a draft);
+- min_tokens not yet reached (the EOS / stop-id ban changes inside the draft);
+- structured output (the grammar state advances token by token);
+- logprobs (kept exact and simple: one sampled position per step).
+A request whose acceptance stays below min_acceptance_rate over its first acceptance_window
+draft tokens stops speculating for good (it would only pay for verifying rejected tokens).
+A draft is capped so that the accepted tokens plus the bonus token stay within max_tokens and
+the context length: no KV is computed for positions a request can never keep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.engine.request import Request
+from shared.engine.spec.ngram import propose_ngram
+from shared.speculative_config import SpeculativeConfig
+
+
+@dataclass
+class SpecDecodeStats:
+    """Cumulative counters, as vLLM's spec_decode_* metrics: drafts (requests that got a
+    non-empty draft in a step), draft tokens proposed, and draft tokens accepted, in all and
+    per draft position (accepted_per_position[i]: drafts whose token i was accepted)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+class Drafter:
+    """The n-gram proposal policy over one engine's requests (engine thread only)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.stats = SpecDecodeStats()
+
+    @property
+    def max_draft_len(self) -> int:
+        return self.config.num_speculative_tokens
+
+    def enabled(self, num_running: int) -> bool:
+        """Whether this step speculates at all (a small batch: see disable_by_batch_size)."""
+        return num_running <= self.config.disable_by_batch_size
+
+    def propose(self, request: Request) -> list[int]:
+        """Draft tokens for a running decode (num_tokens - num_computed_tokens == 1)."""
+        limit = min(self.config.num_speculative_tokens, self._room(request))
+        if limit < 1 or not can_speculate(request) or self._below_break_even(request):
+            return []
+        c = self.config
+        return propose_ngram(request.all_token_ids, c.prompt_lookup_min, c.prompt_lookup_max,
+                             limit)
+
+    def _room(self, request: Request) -> int:
+        """Drafts that can still be kept: one slot goes to the token sampled after them."""
+        room = self.max_model_len - request.num_tokens - 1
+        max_tokens = request.params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return room
+
+    def _below_break_even(self, request: Request) -> bool:
+        """The request's own off switch: enough drafts seen, too few accepted."""
+        c = self.config
+        return (request.num_draft_tokens >= c.acceptance_window
+                and request.num_accepted_tokens < c.min_acceptance_rate * request.num_draft_tokens)
+
+    def record(self, request: Request, num_draft: int, num_accepted: int) -> None:
+        request.num_draft_tokens += num_draft
+        request.num_accepted_tokens += num_accepted
+        if num_draft:
+            self.stats.num_drafts += 1
+            self.stats.num_draft_tokens += num_draft
+            self.stats.num_accepted_tokens += num_accepted
+            per_position = self.stats.accepted_per_position
+            per_position.extend([0] * (num_accepted - len(per_position)))
+            for i in range(num_accepted):
+                per_position[i] += 1
+
+
+def can_speculate(request: Request) -> bool:
+    """False for a request whose sampling is not position-independent (module docstring)."""
+    p = request.params
+    return (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            and request.num_output_tokens >= p.min_tokens and request.structured is None
+            and p.logprobs is None)

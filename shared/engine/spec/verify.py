@@ -1,0 +1,40 @@
+"""Verification of a draft against the target model's own samples (lossless).
+
+The runner samples the target at every scheduled position of a speculating request exactly as
+it samples one token (same logits pipeline, same per-position seeding: the draw at position p
+depends only on (seed, p, probs)), giving s_0..s_d for a draft t_0..t_{d-1}. The accepted
+output is the longest prefix with s_j == t_j, then the target's own token at the first mismatch
+(or the bonus token s_d when all d match).
+
+Why that is lossless, and the rejection sampling of a one-hot draft: s_j ~ p_j, so the draft
+token t_j is accepted with probability p_j(t_j); on a rejection the emitted s_j is p_j
+conditioned on s_j != t_j, which is the residual distribution (p_j with t_j removed,
+renormalised). Each s_j uses its own noise, so every emitted token has exactly the
+distribution of sampling one token at a time; greedy rows are the argmax case (accept iff
+the draft equals the argmax). Coupling the accept test and the residual draw to one sample
+also keeps seeded requests reproducible with speculation on or off, alone or in a batch.
+
+Exactness holds to the extent that the model computes a position's logits the same whether a
+step holds 1 or 1 + K rows of the request: bit for bit in float32 (tested). The bf16 native
+kernels round a multi-row step slightly differently from a one-row step (as they do for a
+different chunked-prefill split), so a bf16 greedy run can part from speculation off at a
+near-tie of the top two logits; the distribution sampled from is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def accepted_tokens(draft: Sequence[int], samples: Sequence[int]) -> list[int]:
+    """The tokens to append: s_0..s_a where a is the number of accepted draft tokens.
+
+    samples has one more entry than draft (the target's sample at each drafted position and
+    at the bonus position).
+    """
+    if len(samples) != len(draft) + 1:
+        raise ValueError(f"{len(samples)} samples for a draft of {len(draft)} tokens")
+    a = 0
+    while a < len(draft) and samples[a] == draft[a]:
+        a += 1
+    return list(samples[:a + 1])
