@@ -15,10 +15,11 @@ the draft equals the argmax). Coupling the accept test and the residual draw to 
 also keeps seeded requests reproducible with speculation on or off, alone or in a batch.
 
 Exactness holds to the extent that the model computes a position's logits the same whether a
-step holds 1 or 1 + K rows of the request: bit for bit in float32 (tested). The bf16 native
-kernels round a multi-row step slightly differently from a one-row step (as they do for a
-different chunked-prefill split), so a bf16 greedy run can part from speculation off at a
-near-tie of the top two logits; the distribution sampled from is unchanged.
+step holds 1 or 1 + K rows of the request: bit for bit in float32 (tested), and in bf16 on the
+native kernels, whose GEMV sums every output in one fixed order and whose attention and
+elementwise ops work per row (tests/engine/test_spec_bf16_exact.py, on the real model). Not
+covered: a step of more than 32 rows (decode rows then go through torch's GEMM, as they do
+beside a long prefill chunk with speculation off) and MXFP4 projections.
 """
 
 from __future__ import annotations
