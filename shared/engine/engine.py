@@ -327,7 +327,7 @@ class LLMEngine:
         self.kv.reset_prefix_cache()
         self.scheduler.num_preemptions = 0
         if self.scheduler.drafter is not None:
-            self.scheduler.drafter.stats = SpecDecodeStats()
+            self.scheduler.drafter.stats = self.scheduler.drafter.new_stats()
         if isinstance(self.runner, ModelRunner) and self.runner.logits_guard.reset():
             log.warning("the warm-up request got NaN or infinite logits: the weights may be "
                         "broken (%s); every request will fail until they are fixed",

@@ -176,7 +176,8 @@ def test_a_request_below_break_even_stops_speculating() -> None:
     assert drafter.propose(req) == []
     assert (drafter.stats.num_drafts, drafter.stats.num_draft_tokens,
             drafter.stats.num_accepted_tokens) == (4, 15, 3)
-    assert drafter.stats.accepted_per_position == [2, 1]  # accepts of 1, 2, 0 and 0 tokens
+    # accepts of 1, 2, 0 and 0 tokens; every one of the K positions is counted, zeros too
+    assert drafter.stats.accepted_per_position == [2, 1, 0]
     # Drafts never run past max_tokens (one slot is the token sampled after the draft).
     short = Request("s", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(temperature=0.0, max_tokens=3))
     assert drafter.propose(short) == [3, 1]

@@ -42,7 +42,11 @@ class Drafter:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.stats = SpecDecodeStats()
+        self.stats = self.new_stats()
+
+    def new_stats(self) -> SpecDecodeStats:
+        """Zeroed counters, one per draft position (vLLM exports every position, zeros too)."""
+        return SpecDecodeStats(accepted_per_position=[0] * self.config.num_speculative_tokens)
 
     @property
     def max_draft_len(self) -> int:
@@ -82,10 +86,8 @@ class Drafter:
             self.stats.num_drafts += 1
             self.stats.num_draft_tokens += num_draft
             self.stats.num_accepted_tokens += num_accepted
-            per_position = self.stats.accepted_per_position
-            per_position.extend([0] * (num_accepted - len(per_position)))
-            for i in range(num_accepted):
-                per_position[i] += 1
+            for i in range(num_accepted):  # num_accepted <= num_draft <= K
+                self.stats.accepted_per_position[i] += 1
 
 
 def can_speculate(request: Request) -> bool:
