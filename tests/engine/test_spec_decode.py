@@ -193,3 +193,24 @@ def test_offline_llm_takes_the_speculative_config(small_ckpt, reference):
     outs = llm.generate(repeating_prompts(6), GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert llm.engine.stats().spec_num_accepted_tokens > 0
+
+
+def test_requests_that_never_accept_stop_speculating(make_engine, reference, monkeypatch):
+    """The per-request off switch inside the engine: drafts the model never accepts (token 0,
+    which the reference outputs never hold) stop after acceptance_window draft tokens, and
+    the outputs are unchanged."""
+    import shared.engine.spec.drafter as drafter_module
+
+    assert not any(0 in r for r in reference)
+    monkeypatch.setattr(drafter_module, "propose_ngram", lambda tokens, lo, hi, k: [0] * k)
+    k, window = 4, 8
+    spec = {**ngram(k=k), "acceptance_window": window, "min_acceptance_rate": 0.2}
+    engine = make_engine(speculative_config=spec)
+    outs = run_engine(engine, repeating_prompts(6), [GREEDY] * 6)
+    assert [outs[i].token_ids for i in range(6)] == reference
+    s = engine.stats()
+    assert s.spec_num_accepted_tokens == 0
+    # Each request drafts until it has proposed `window` tokens, then never again; without
+    # the switch every one of its 39 decode steps would have drafted.
+    assert 0 < s.spec_num_draft_tokens <= 6 * (window + k - 1)
+    assert_all_blocks_free(engine)
