@@ -108,17 +108,19 @@ class Scheduler:
         preempted = False
         drafting = self.drafter is not None and self.drafter.enabled(len(self.running))
         drafts: dict[Request, list[int]] = {}
+        room = self._draft_room() if drafting else 0  # draft tokens this step may still take
         for req in ordered:
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = self._fit(req.num_tokens - req.num_computed_tokens, budget)
             if n == 0:
                 continue
-            draft = self._draft(req, budget - n) if drafting and n == 1 else []
+            draft = self._draft(req, min(budget - n, room)) if drafting and n == 1 else []
             if draft and self.kv.allocate_slots(req, n + len(draft)):
                 drafts[req] = draft  # KV short: no draft (the plain path below may preempt)
                 scheduled[req] = n + len(draft)
                 budget -= n + len(draft)
+                room -= len(draft)
                 continue
             while not self.kv.allocate_slots(req, n):
                 victim = max(self.running, key=lambda r: r.arrival_seq)
@@ -143,6 +145,13 @@ class Scheduler:
                      for r, c, n, d in zip(reqs, computed, counts, lens, strict=True)],
             draft_token_ids=draft_ids,
         )
+
+    def _draft_room(self) -> int:
+        """Draft tokens a step may hold: its decode rows plus drafts stay within the drafter's
+        max_step_rows (the rows the bf16 kernels compute one by one, see Drafter)."""
+        assert self.drafter is not None
+        decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        return self.drafter.max_step_rows - decodes
 
     def _draft(self, req: Request, budget: int) -> list[int]:
         """A running decode's draft, cut to the token budget left after its own token."""

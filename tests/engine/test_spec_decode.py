@@ -91,15 +91,54 @@ def test_stop_ids_stop_strings_and_max_tokens_exact(make_engine, reference):
     assert off[4].finish_reason == on[4].finish_reason and on[4].stop_reason is not None
 
 
-def test_full_batch_at_the_largest_k(make_engine):
-    # max_num_seqs requests, each drafting up to MAX_SPECULATIVE_TOKENS: 8 x 17 tokens a step.
+def record_steps(engine) -> list[tuple[int, bool]]:
+    """Spy on the scheduler: (total scheduled tokens, any draft) of every step, appended."""
+    steps: list[tuple[int, bool]] = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        steps.append((batch.total_num_scheduled_tokens, bool(batch.draft_token_ids)))
+        return batch
+
+    engine.scheduler.schedule = spy
+    return steps
+
+
+def test_full_batch_at_the_largest_k(make_engine, monkeypatch):
+    # max_num_seqs requests, each drafting MAX_SPECULATIVE_TOKENS: 8 x 17 tokens a step once
+    # the step row cap (MAX_STEP_ROWS, for bf16 exactness; fp32 here) is lifted. Full-length
+    # drafts every step: a proposer that always drafts K tokens (token 0, never accepted).
+    import shared.engine.spec.drafter as drafter_module
+
+    width = 8 * (1 + MAX_SPECULATIVE_TOKENS)
     prompts = repeating_prompts(8, seed=5)
     params = [GREEDY] * 8
-    off, on, engine = run_pair(make_engine, prompts, params,
-                               ngram(k=MAX_SPECULATIVE_TOKENS, batch=8, lo=1, hi=4),
-                               max_num_seqs=8)
-    same(off, on)
-    assert engine.stats().spec_num_drafts > 0
+    off = run_engine(make_engine(max_num_seqs=8), prompts, params)
+    monkeypatch.setattr(drafter_module, "propose_ngram", lambda tokens, lo, hi, k: [0] * k)
+    spec = {**ngram(k=MAX_SPECULATIVE_TOKENS, batch=8), "min_acceptance_rate": 0.0}
+    engine = make_engine(max_num_seqs=8, max_num_batched_tokens=width, speculative_config=spec)
+    engine.scheduler.drafter.max_step_rows = width
+    steps = record_steps(engine)
+    same(off, run_engine(engine, prompts, params))
+    assert max(n for n, drafted in steps if drafted) == width
+    assert_all_blocks_free(engine)
+
+
+def test_a_step_holds_at_most_max_step_rows(make_engine):
+    """By default a speculating step's decode rows plus drafts stay within the dense GEMV's
+    row limit (so bf16 verify rows are computed as one-row decode computes them)."""
+    from kernels.dense.backend import MAX_ROWS
+    from shared.engine.spec.drafter import MAX_STEP_ROWS
+
+    assert MAX_STEP_ROWS == MAX_ROWS
+    prompts = repeating_prompts(8, seed=5)
+    engine = make_engine(max_num_seqs=8, speculative_config=ngram(
+        k=MAX_SPECULATIVE_TOKENS, batch=8, lo=1, hi=4))
+    steps = record_steps(engine)
+    run_engine(engine, prompts, [GREEDY] * 8)
+    drafted = [n for n, d in steps if d]
+    assert drafted and max(drafted) <= MAX_STEP_ROWS
 
 
 def test_preemption_and_chunked_prefill_still_lossless(make_engine):

@@ -12,7 +12,9 @@ speculate (they decode one token per step as before):
 A request whose acceptance stays below min_acceptance_rate over its first acceptance_window
 draft tokens stops speculating for good (it would only pay for verifying rejected tokens).
 A draft is capped so that the accepted tokens plus the bonus token stay within max_tokens and
-the context length: no KV is computed for positions a request can never keep.
+the context length: no KV is computed for positions a request can never keep. The scheduler
+also cuts a step's drafts so that its decode rows plus draft tokens stay within
+MAX_STEP_ROWS (below).
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from dataclasses import dataclass, field
 from shared.engine.request import Request
 from shared.engine.spec.ngram import propose_ngram
 from shared.speculative_config import SpeculativeConfig
+
+# Decode rows plus draft tokens per step at most: kernels.dense.backend.MAX_ROWS, the most rows
+# the bf16 GEMV takes (more go to torch's GEMM, whose rows are not computed as one row alone
+# is). Within it a verify row gets the bits of one-row decode, so greedy output with
+# speculation equals speculation off (tests/engine/test_spec_bf16_exact.py).
+MAX_STEP_ROWS = 32
 
 
 @dataclass
@@ -43,6 +51,7 @@ class Drafter:
         self.config = config
         self.max_model_len = max_model_len
         self.stats = self.new_stats()
+        self.max_step_rows = MAX_STEP_ROWS
 
     def new_stats(self) -> SpecDecodeStats:
         """Zeroed counters, one per draft position (vLLM exports every position, zeros too)."""
