@@ -1,8 +1,8 @@
 """SpeculativeConfig: the `--speculative-config` JSON (as vLLM takes it), parsed once.
 
-Only the n-gram (prompt lookup) proposer exists so far. Every key is checked here, so that a
-typo or an out-of-range value is refused at start-up with a ValueError naming the key, never
-deep in the scheduler.
+Two proposers: n-gram (prompt lookup) and a draft model (a smaller model, or the target
+itself quantised to MXFP4). Every key is checked here, so that a typo or an out-of-range value
+is refused at start-up with a ValueError naming the key, never deep in the scheduler.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ class SpeculativeMethod(StrEnum):
     """Which proposer drafts the tokens the target model verifies."""
 
     NGRAM = "ngram"
+    DRAFT_MODEL = "draft_model"
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class SpeculativeConfig:
     pdmesh key, no vLLM equivalent): a request whose accepted / proposed draft tokens stay
     below it once it has proposed acceptance_window draft tokens stops speculating, so a
     workload that never accepts costs little more than speculation off (0 disables that).
+    model / quantization (draft_model only): the draft checkpoint (a name or directory, as the
+    engine's model) and an optional run-time quantisation of it ("mxfp4"; with model = the
+    target's own checkpoint this is the quantised self-draft).
     """
 
     method: SpeculativeMethod = SpeculativeMethod.NGRAM
@@ -43,6 +47,8 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 4
     min_acceptance_rate: float = 0.2
     acceptance_window: int = 16
+    model: str | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -51,6 +57,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method: unknown method {self.method!r} "
                              f"(supported: {', '.join(m.value for m in SpeculativeMethod)})"
                              ) from None
+        self._check_draft_keys()
         rate = self.min_acceptance_rate
         if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
             raise ValueError(f"speculative_config.min_acceptance_rate must be a number in "
@@ -67,6 +74,18 @@ class SpeculativeConfig:
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError("speculative_config.prompt_lookup_max must be >= prompt_lookup_min "
                              f"({self.prompt_lookup_max} < {self.prompt_lookup_min})")
+
+    def _check_draft_keys(self) -> None:
+        drafting = self.method is SpeculativeMethod.DRAFT_MODEL
+        if drafting and not (isinstance(self.model, str) and self.model.strip()):
+            raise ValueError("speculative_config.model is required for method draft_model "
+                             "(the draft checkpoint)")
+        if not drafting and (self.model is not None or self.quantization is not None):
+            raise ValueError("speculative_config.model and .quantization apply to method "
+                             f"draft_model only, not {self.method.value}")
+        if self.quantization not in (None, "mxfp4"):
+            raise ValueError(f"speculative_config.quantization must be \"mxfp4\" or absent, "
+                             f"got {self.quantization!r}")
 
     @classmethod
     def parse(cls, value: str | Mapping[str, Any] | SpeculativeConfig | None

@@ -32,6 +32,7 @@ from shared.engine.structured_spec import InvalidStructuredOutput, StructuredOut
 from shared.model.config import ModelConfig
 from shared.model.quant import QuantConfig, QuantMethod
 from shared.model.tokenizer import Tokenizer
+from shared.speculative_config import SpeculativeMethod
 
 log = logging.getLogger(__name__)
 NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this request"
@@ -76,7 +77,14 @@ class LLMEngine:
 
     def _drafter(self) -> Drafter | None:
         spec = self.config.speculative_config
-        return Drafter(spec, self.max_model_len) if spec is not None else None
+        if spec is None:
+            return None
+        if spec.method is SpeculativeMethod.DRAFT_MODEL:
+            from shared.engine.spec.draft_model import build_draft_proposer
+
+            return Drafter(spec, self.max_model_len,
+                           build_draft_proposer(self.config, self.tokenizer))
+        return Drafter(spec, self.max_model_len)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:

@@ -34,11 +34,12 @@ def kv_spec_of(model_id: str, weights_fingerprint: str, engine: EngineConfig,
                config: ModelConfig) -> ModelKVSpec:
     """The spec of a loaded model: ModelConfig carries geometry and RoPE, the engine's
     configuration the dtypes and the weight transforms."""
-    # engine.speculative_config is deliberately not a factor: n-gram speculation runs on the
-    # decode side after the KV has moved and changes neither the model nor its weights, so the
+    # engine.speculative_config is deliberately not a factor: speculation runs on the decode
+    # side after the KV has moved and changes neither the target model nor its weights, so the
     # prompt KV a prefill sends is the same with it on or off (a decode keeps its own drafts'
-    # KV and rolls rejected ones back locally). A draft model whose KV travels would change
-    # that; tests/kv_transfer/test_kv_compat.py classifies every EngineConfig field.
+    # KV and rolls rejected ones back locally; a draft model is prefilled on the decode worker
+    # from the prompt tokens, its KV never travels). Sending the draft's KV too would make
+    # the draft a factor; tests/kv_transfer/test_kv_compat.py classifies every field.
     return ModelKVSpec(model_id=model_id, weights_fingerprint=weights_fingerprint,
                        dtype=engine.dtype, kv_dtype=engine.resolved_kv_dtype,
                        num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,

@@ -93,6 +93,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
+        if self.drafter is not None:
+            self.drafter.release(request_id)
         return request
 
     def has_unfinished_requests(self) -> bool:
@@ -158,7 +160,7 @@ class Scheduler:
         assert self.drafter is not None
         if budget < 1:
             return []
-        return self.drafter.propose(req)[:budget]
+        return self.drafter.propose(req, budget)
 
     def _fit(self, num_new: int, budget: int) -> int:
         """Tokens to schedule for a request wanting num_new, 0 if it cannot run now."""

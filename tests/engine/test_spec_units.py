@@ -119,9 +119,17 @@ def test_config_parses_vllm_json_and_refuses_bad_values() -> None:
                      ('{"method": "ngram", "num_spec_tokens": 2}', "num_spec_tokens"),
                      ('{"method": "ngram", "min_acceptance_rate": 2}', "min_acceptance_rate"),
                      ('{"num_speculative_tokens": 2}', "method"),
+                     ('{"method": "draft_model"}', "speculative_config.model is required"),
+                     ('{"method": "draft_model", "model": " "}', "model is required"),
+                     ('{"method": "ngram", "model": "m"}', "draft_model only"),
+                     ('{"method": "draft_model", "model": "m", "quantization": "int4"}',
+                      "quantization"),
                      ('[1]', "JSON object"), ('{"method": ', "JSON")]:
         with pytest.raises(ValueError, match=key):
             EngineConfig(speculative_config=bad)  # type: ignore[arg-type]
+    self_draft = SpeculativeConfig.parse(
+        '{"method": "draft_model", "model": "smollm2-135m-instruct", "quantization": "mxfp4"}')
+    assert self_draft is not None and self_draft.quantization == "mxfp4"
 
 
 def test_serve_flag_reaches_the_engine_and_a_bad_one_exits_cleanly(

@@ -20,6 +20,7 @@ MAX_STEP_ROWS (below).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from shared.engine.request import Request
 from shared.engine.spec.ngram import propose_ngram
@@ -44,12 +45,23 @@ class SpecDecodeStats:
     accepted_per_position: list[int] = field(default_factory=list)
 
 
-class Drafter:
-    """The n-gram proposal policy over one engine's requests (engine thread only)."""
+class Proposer(Protocol):
+    """A model-based proposer (shared.engine.spec.draft_model); n-gram needs none."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def propose(self, request: Request, k: int) -> list[int]: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+class Drafter:
+    """The proposal policy over one engine's requests (engine thread only): n-gram lookup, or
+    `proposer` (a draft model) when given."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 proposer: Proposer | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        self.proposer = proposer
         self.stats = self.new_stats()
         self.max_step_rows = MAX_STEP_ROWS
 
@@ -65,14 +77,24 @@ class Drafter:
         """Whether this step speculates at all (a small batch: see disable_by_batch_size)."""
         return num_running <= self.config.disable_by_batch_size
 
-    def propose(self, request: Request) -> list[int]:
-        """Draft tokens for a running decode (num_tokens - num_computed_tokens == 1)."""
+    def propose(self, request: Request, budget: int | None = None) -> list[int]:
+        """Draft tokens for a running decode (num_tokens - num_computed_tokens == 1), at most
+        `budget` (the step's room) when given."""
         limit = min(self.config.num_speculative_tokens, self._room(request))
+        if budget is not None:
+            limit = min(limit, budget)
         if limit < 1 or not can_speculate(request) or self._below_break_even(request):
             return []
+        if self.proposer is not None:
+            return self.proposer.propose(request, limit)
         c = self.config
         return propose_ngram(request.all_token_ids, c.prompt_lookup_min, c.prompt_lookup_max,
                              limit)
+
+    def release(self, request_id: str) -> None:
+        """A request left the engine: its proposer state goes (a draft model's KV)."""
+        if self.proposer is not None:
+            self.proposer.release(request_id)
 
     def _room(self, request: Request) -> int:
         """Drafts that can still be kept: one slot goes to the token sampled after them."""
