@@ -75,3 +75,16 @@ def test_batch_equals_speculation_off(tokenizer_dir, prompts):
     assert [got[i].token_ids for i in range(len(prompts))] == [
         want[i].token_ids for i in range(len(prompts))]
     assert e.stats().spec_num_accepted_tokens > 0
+
+
+def test_mxfp4_self_draft_equals_speculation_off(tokenizer_dir, prompts, off):
+    """The quantised self-draft: the MXFP4 copy of the model proposes, the bf16 model
+    verifies; the tokens are the bf16 model's own."""
+    spec = {"method": "draft_model", "model": str(tokenizer_dir), "quantization": "mxfp4",
+            "num_speculative_tokens": 4, "min_acceptance_rate": 0.0}
+    e = engine(str(tokenizer_dir), spec)
+    on = [run_engine(e, [p], [GREEDY])[0].token_ids for p in prompts]
+    assert on == off
+    s = e.stats()
+    assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens
+    assert_all_blocks_free(e)
