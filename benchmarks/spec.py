@@ -8,9 +8,10 @@ text, list or piece of code (ASKS), so its output copies spans of the prompt. Ea
   decode   single-stream greedy decode tok/s, each ask alone ((N-1) tokens over the time
            from the first to the last token, summed over the asks)
   agg16    aggregate tok/s of 16 concurrent greedy requests (wall time, prefill included)
-and the greedy tokens of both modes are compared (they must be identical). The ngram side
-also reports its acceptance rate (accepted / proposed draft tokens) and mean acceptance
-length (tokens emitted per speculating step: 1 + accepted / drafts).
+and the greedy tokens of both modes are compared (they must be identical). The speculating
+side (n-gram, or a draft model with --draft-model, e.g. the MXFP4 self-draft) also reports
+its acceptance rate (accepted / proposed draft tokens) and mean acceptance length (tokens
+emitted per speculating step: 1 + accepted / drafts).
 """
 
 from __future__ import annotations
@@ -129,11 +130,21 @@ def main() -> None:
     ap.add_argument("--disable-by-batch-size", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=200, help="single-stream max_tokens")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--draft-model", default=None,
+                    help="method draft_model with this checkpoint (default: ngram)")
+    ap.add_argument("--draft-quantization", default=None, choices=["mxfp4"],
+                    help="with --draft-model: quantise the draft (--draft-model = --model: the "
+                         "quantised self-draft)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    spec = {"method": "ngram", "num_speculative_tokens": args.k,
-            "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max,
-            "disable_by_batch_size": args.disable_by_batch_size}
+    spec: dict[str, Any] = {"num_speculative_tokens": args.k,
+                            "disable_by_batch_size": args.disable_by_batch_size}
+    if args.draft_model:
+        spec.update(method="draft_model", model=args.draft_model,
+                    quantization=args.draft_quantization)
+    else:
+        spec.update(method="ngram", prompt_lookup_min=args.lookup_min,
+                    prompt_lookup_max=args.lookup_max)
     off, on = Side(args, None), Side(args, spec)
     runs: dict[str, list[Any]] = {k: [] for k in ("s_off", "s_on", "a_off", "a_on")}
     for _ in range(args.repeats):  # alternated, so drift on a shared machine hits both
@@ -147,9 +158,9 @@ def main() -> None:
     report = {
         "spec": spec, "threads": args.threads, "dtype": on.engine.config.dtype,
         "repeats": args.repeats, "decode_tokens": n,
-        "decode_off": med["s_off"], "decode_ngram": med["s_on"],
+        "decode_off": med["s_off"], "decode_spec": med["s_on"],
         "decode_speedup": med["s_on"] / med["s_off"],
-        "agg16_off": med["a_off"], "agg16_ngram": med["a_on"],
+        "agg16_off": med["a_off"], "agg16_spec": med["a_on"],
         "agg16_ratio": med["a_on"] / med["a_off"],
         "single_acceptance_rate": accepted / max(proposed, 1),
         "single_mean_acceptance_length": 1 + accepted / max(drafts, 1),
