@@ -253,3 +253,15 @@ def test_requests_that_never_accept_stop_speculating(make_engine, reference, mon
     # the switch every one of its 39 decode steps would have drafted.
     assert 0 < s.spec_num_draft_tokens <= 6 * (window + k - 1)
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("quantization", [None, "mxfp4"])
+def test_bf16_native_kernels_greedy_identical(make_engine, quantization):
+    """bf16 on the native kernels (dense, or MXFP4 projections): verify rows are computed as
+    one-row decode computes them, so greedy tokens equal speculation off exactly."""
+    prompts = repeating_prompts(6)
+    off, on, engine = run_pair(make_engine, prompts, [GREEDY] * 6, ngram(k=7),
+                               dtype="bfloat16", quantization=quantization)
+    same(off, on)
+    s = engine.stats()
+    assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens

@@ -16,10 +16,12 @@ also keeps seeded requests reproducible with speculation on or off, alone or in 
 
 Exactness holds to the extent that the model computes a position's logits the same whether a
 step holds 1 or 1 + K rows of the request: bit for bit in float32 (tested), and in bf16 on the
-native kernels, whose GEMV sums every output in one fixed order and whose attention and
-elementwise ops work per row (tests/engine/test_spec_bf16_exact.py, on the real model). Not
-covered: a step of more than 32 rows (decode rows then go through torch's GEMM, as they do
-beside a long prefill chunk with speculation off) and MXFP4 projections.
+native kernels, dense or MXFP4, whose GEMVs sum every output in one fixed order and whose
+attention and elementwise ops work per row (tests/engine/test_spec_bf16_exact.py on the real
+model, test_spec_decode.py). The scheduler keeps a speculating step within 32 rows
+(MAX_STEP_ROWS); not covered: a decode row beside a prefill chunk that takes the step past 32
+rows (all rows then go through torch's GEMM, whose per-row sums depend on the row count; the
+same holds with speculation off, where the chunk boundaries differ).
 """
 
 from __future__ import annotations
