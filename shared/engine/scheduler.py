@@ -111,6 +111,9 @@ class Scheduler:
         drafting = self.drafter is not None and self.drafter.enabled(len(self.running))
         drafts: dict[Request, list[int]] = {}
         room = self._draft_room() if drafting else 0  # draft tokens this step may still take
+        if drafting and room > 0:
+            assert self.drafter is not None
+            self.drafter.prepare([r for r in ordered if r.num_tokens - r.num_computed_tokens == 1])
         for req in ordered:
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue

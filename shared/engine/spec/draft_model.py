@@ -14,8 +14,8 @@ much of them the draft's cache holds. Each proposal first catches the shadow up 
 prompt the first time: in P/D the draft is prefilled on the decode worker, so only the
 target's KV moves and the compat hash is unchanged), then feeds its own greedy tokens K - 1
 times. Rejected drafts are rolled back at the next proposal: the shadow keeps the common
-prefix of its tokens and the target's, and frees the blocks past it. Requests are drafted one
-at a time (the scheduler asks per request); speculation is off above disable_by_batch_size.
+prefix of its tokens and the target's, and frees the blocks past it. The drafts of a step's
+requests are computed together (one draft pass per position, a row per request).
 """
 
 from __future__ import annotations
@@ -47,25 +47,36 @@ class DraftModelProposer:
 
     def propose(self, request: Request, k: int) -> list[int]:
         """Up to k greedy draft tokens continuing request.all_token_ids."""
-        k = min(k, self.max_model_len - request.num_tokens)
-        if k < 1:
-            return []
-        shadow = self._sync(request)
-        draft: list[int] = []
-        while len(draft) < k:
-            n = shadow.num_tokens - shadow.num_computed_tokens  # >= 1: the newest token(s)
-            if not self.kv.allocate_slots(shadow, n):
-                self.release(request.request_id)  # the draft's cache is full: no draft now
-                return []
-            out = self.runner.execute(ScheduledBatch(
-                [shadow], [n], [shadow.num_computed_tokens], [True]))
-            shadow.num_computed_tokens += n
-            token = out.sampled_token_ids[0]
-            if token is None:  # NaN / inf logits in the draft: stop drafting here
+        return self.propose_batch([(request, k)]).get(request.request_id, [])
+
+    def propose_batch(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """Drafts for several requests (request, at most k tokens each), computed together:
+        draft pass j runs one row per request still drafting (its catch-up rows at j = 0)."""
+        todo = [(self._sync(r), min(k, self.max_model_len - r.num_tokens)) for r, k in wanted]
+        drafts: dict[str, list[int]] = {s.request_id: [] for s, k in todo if k >= 1}
+        active = [(s, k) for s, k in todo if k >= 1]
+        while active:
+            rows = [s.num_tokens - s.num_computed_tokens for s, _ in active]  # each >= 1
+            fits = [self.kv.allocate_slots(s, n) for (s, _), n in zip(active, rows, strict=True)]
+            for (s, _), ok in zip(active, fits, strict=True):
+                if not ok:  # the draft's cache is full: no draft for it now
+                    self.release(s.request_id)
+                    drafts.pop(s.request_id)
+            active, rows = ([a for a, ok in zip(active, fits, strict=True) if ok],
+                            [n for n, ok in zip(rows, fits, strict=True) if ok])
+            if not active:
                 break
-            draft.append(token)
-            shadow.append_output_token(token)
-        return draft
+            shadows = [s for s, _ in active]
+            out = self.runner.execute(ScheduledBatch(
+                shadows, rows, [s.num_computed_tokens for s in shadows], [True] * len(rows)))
+            for s, n, token in zip(shadows, rows, out.sampled_token_ids, strict=True):
+                s.num_computed_tokens += n
+                if token is not None:  # None: NaN / inf logits in the draft, stop drafting
+                    drafts[s.request_id].append(token)
+                    s.append_output_token(token)
+            active = [(s, k) for (s, k), t in zip(active, out.sampled_token_ids, strict=True)
+                      if t is not None and len(drafts[s.request_id]) < k]
+        return drafts
 
     def _sync(self, request: Request) -> Request:
         """The request's shadow, its tokens equal to the request's and its cache trimmed to

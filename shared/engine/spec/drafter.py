@@ -48,7 +48,7 @@ class SpecDecodeStats:
 class Proposer(Protocol):
     """A model-based proposer (shared.engine.spec.draft_model); n-gram needs none."""
 
-    def propose(self, request: Request, k: int) -> list[int]: ...
+    def propose_batch(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]: ...
 
     def release(self, request_id: str) -> None: ...
 
@@ -62,6 +62,7 @@ class Drafter:
         self.config = config
         self.max_model_len = max_model_len
         self.proposer = proposer
+        self._prepared: dict[str, list[int]] = {}  # this step's proposer drafts, by request
         self.stats = self.new_stats()
         self.max_step_rows = MAX_STEP_ROWS
 
@@ -77,19 +78,31 @@ class Drafter:
         """Whether this step speculates at all (a small batch: see disable_by_batch_size)."""
         return num_running <= self.config.disable_by_batch_size
 
+    def prepare(self, decodes: list[Request]) -> None:
+        """Once per speculating step, before `propose`: a proposer drafts for every decode of
+        the step at once (a draft model runs one batched pass per position)."""
+        if self.proposer is not None:
+            wanted = [(r, self._limit(r, None)) for r in decodes]
+            self._prepared = self.proposer.propose_batch([(r, k) for r, k in wanted if k > 0])
+
     def propose(self, request: Request, budget: int | None = None) -> list[int]:
         """Draft tokens for a running decode (num_tokens - num_computed_tokens == 1), at most
         `budget` (the step's room) when given."""
-        limit = min(self.config.num_speculative_tokens, self._room(request))
-        if budget is not None:
-            limit = min(limit, budget)
-        if limit < 1 or not can_speculate(request) or self._below_break_even(request):
+        limit = self._limit(request, budget)
+        if limit < 1:
             return []
-        if self.proposer is not None:
-            return self.proposer.propose(request, limit)
+        if self.proposer is not None:  # drafted by prepare(); the KV of a cut tail is
+            return self._prepared.pop(request.request_id, [])[:limit]  # rolled back later
         c = self.config
         return propose_ngram(request.all_token_ids, c.prompt_lookup_min, c.prompt_lookup_max,
                              limit)
+
+    def _limit(self, request: Request, budget: int | None) -> int:
+        """Draft tokens the request may get now (0: none)."""
+        if not can_speculate(request) or self._below_break_even(request):
+            return 0
+        limit = min(self.config.num_speculative_tokens, self._room(request))
+        return limit if budget is None else min(limit, budget)
 
     def release(self, request_id: str) -> None:
         """A request left the engine: its proposer state goes (a draft model's KV)."""
