@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kernels.tier import Tier
+from shared.speculative_config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KERNEL_TIER_ENV = "PDMESH_KERNEL_TIER"
@@ -135,9 +136,13 @@ class EngineConfig:
     # grammar may take to compile before the request is refused (400).
     grammar_cache_size: int = 128
     grammar_compile_timeout_s: float = 10.0
+    # Speculative decoding (None: off). A JSON string or a mapping is parsed here, once.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kernel_tier", parse_kernel_tier(self.kernel_tier))
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
         if self.revision is not None and not self.revision.strip():
             raise ValueError("revision must be a branch, tag or commit hash, got an empty one")
         if self.dtype == "auto":

@@ -94,6 +94,9 @@ class WorkerConfig:
     generation_config: GenerationConfigMode = GenerationConfigMode.AUTO
 
     def __post_init__(self) -> None:
+        if self.pipeline.enabled and self.engine.speculative_config is not None:
+            raise ValueError("--speculative-config is not supported with --pp-size > 1 (the "
+                             "pipeline's last stage samples without the scheduler's drafts)")
         if self.pipeline.enabled and self.role is Role.DECODE:
             raise ValueError("--pp-size > 1 works for the mixed and prefill roles, not decode")
         if self.kv is not None:
@@ -176,6 +179,7 @@ class WorkerConfig:
             quantize_lm_head=args.quantize_lm_head,
             seed=args.seed,
             kernel_tier=kernel_tier,
+            speculative_config=getattr(args, "speculative_config", None),
         )
         role = Role(args.role)
         tls_files = tls.from_args(args)
@@ -280,3 +284,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> N
     eng.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
                      help=f"highest native kernel tier to use (default: ${KERNEL_TIER_ENV}, "
                           "else auto: the fastest this CPU runs); see `pdmesh doctor`")
+    eng.add_argument("--speculative-config", default=None, metavar="JSON",
+                     help='speculative decoding, as vLLM takes it, e.g. \'{"method": "ngram", '
+                          '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                          '"prompt_lookup_max": 5, "disable_by_batch_size": 4}\' (decode and '
+                          'mixed workers; default: off)')

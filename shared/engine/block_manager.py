@@ -161,6 +161,17 @@ class KVCacheManager:
         request.block_table.extend(self._pop_free() for _ in range(max(need, 0)))
         return True
 
+    def trim(self, request: Request) -> None:
+        """Free the blocks past request.num_computed_tokens (a rejected speculative draft's).
+
+        Those blocks never carry a prefix-cache key: keys are registered only up to
+        num_computed_tokens, which the caller has already rolled back.
+        """
+        keep = self.blocks_needed(request.num_computed_tokens)
+        if len(request.block_table) > keep:
+            extra, request.block_table = request.block_table[keep:], request.block_table[:keep]
+            self._release(extra)
+
     def _release(self, block_ids: list[int]) -> None:
         """Drop one reference from each block, tail-first (see module docstring)."""
         for block in reversed(block_ids):

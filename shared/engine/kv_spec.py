@@ -39,6 +39,12 @@ def kv_spec_of(model_id: str, weights_fingerprint: str, engine: EngineConfig,
     sliding layers' RoPE, the score scale) ride in the `rope` factor as `gemma.*` keys: the
     weights fingerprint does not cover config.json, so they must be hashed here.
     """
+    # engine.speculative_config is deliberately not a factor: speculation runs on the decode
+    # side after the KV has moved and changes neither the target model nor its weights, so the
+    # prompt KV a prefill sends is the same with it on or off (a decode keeps its own drafts'
+    # KV and rolls rejected ones back locally; a draft model is prefilled on the decode worker
+    # from the prompt tokens, its KV never travels). Sending the draft's KV too would make
+    # the draft a factor; tests/kv_transfer/test_kv_compat.py classifies every field.
     rope = dataclasses.asdict(config.rope)
     if config.gemma is not None:
         rope.update(config.gemma.as_factors())

@@ -131,6 +131,10 @@ KV_NEUTRAL = {  # field -> another value that must leave the hash alone
     "kernel_tier": "reference",
     # Structured output masks the sampler; the KV of a prompt is the same either way.
     "grammar_cache_size": 2, "grammar_compile_timeout_s": 1.0,
+    # Speculation runs on the decode side only, after the KV has moved: the KV a prefill sends
+    # is the target's either way (a decode writes its drafts' KV into its own cache and rolls
+    # rejected ones back locally; a draft model is prefilled there from the prompt tokens).
+    "speculative_config": {"method": "ngram", "num_speculative_tokens": 4},
 }
 
 
