@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from shared.engine.stats import EngineStats
 from shared.engine.structured import StructuredOutputRequest
 from shared.engine.structured_spec import InvalidStructuredOutput, StructuredOutputSpec
 from shared.model.config import ModelConfig
-from shared.model.quant import QuantConfig, QuantMethod
+from shared.model.quant import DEFAULT_ENCODER, QuantConfig, QuantMethod
 from shared.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -339,8 +340,9 @@ def _quant_config(config: EngineConfig) -> QuantConfig | None:
     what a pre-quantised checkpoint stores)."""
     if config.quantization is None:
         return None
-    return QuantConfig(method=QuantMethod(config.quantization),
-                       quantize_lm_head=True if config.quantize_lm_head else None)
+    quant = QuantConfig.parse(config.quantization, config.quant_encoder or DEFAULT_ENCODER)
+    assert quant is not None and quant.method is QuantMethod(config.quantization)
+    return replace(quant, quantize_lm_head=True if config.quantize_lm_head else None)
 
 
 def _accelerate(model: torch.nn.Module, config: EngineConfig) -> None:
