@@ -76,7 +76,7 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        from shared.model.loader import load_model, open_checkpoint
+        from shared.model.loader import load_model, open_checkpoint, release_freed_heap
         from shared.model.registry import resolve_model
 
         model_dir = resolve_model(config.model, config.resolved_cache_dir,
@@ -85,6 +85,7 @@ class LLMEngine:
         model, model_config = load_model(model_dir, config.dtype,
                                          quantization=_quant_config(config))
         _accelerate(model, config)
+        release_freed_heap()  # again: _accelerate repacks weights (load_model trimmed its own)
         return cls.from_model(config, model, model_config, Tokenizer(model_dir),
                               model_dir=model_dir,
                               fingerprint=open_checkpoint(model_dir).fingerprint())
