@@ -30,6 +30,7 @@ from shared.engine.stats import EngineStats
 from shared.engine.structured import StructuredOutputRequest
 from shared.engine.structured_spec import InvalidStructuredOutput, StructuredOutputSpec
 from shared.model.config import ModelConfig
+from shared.model.loader import release_freed_heap
 from shared.model.quant import DEFAULT_ENCODER, QuantConfig, QuantMethod
 from shared.model.tokenizer import Tokenizer
 
@@ -76,7 +77,7 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        from shared.model.loader import load_model, open_checkpoint, release_freed_heap
+        from shared.model.loader import load_model, open_checkpoint
         from shared.model.registry import resolve_model
 
         model_dir = resolve_model(config.model, config.resolved_cache_dir,
@@ -318,6 +319,9 @@ class LLMEngine:
             self.step()
         self.kv.reset_prefix_cache()
         self.scheduler.num_preemptions = 0
+        # The first step allocates and frees its one-off buffers (prefill scratch, kernel
+        # set-up): give their pages back too, as after loading (release_freed_heap's why).
+        release_freed_heap()
         if isinstance(self.runner, ModelRunner) and self.runner.logits_guard.reset():
             log.warning("the warm-up request got NaN or infinite logits: the weights may be "
                         "broken (%s); every request will fail until they are fixed",
