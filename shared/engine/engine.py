@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,7 +31,8 @@ from shared.engine.stats import EngineStats
 from shared.engine.structured import StructuredOutputRequest
 from shared.engine.structured_spec import InvalidStructuredOutput, StructuredOutputSpec
 from shared.model.config import ModelConfig
-from shared.model.quant import QuantConfig, QuantMethod
+from shared.model.loader import release_freed_heap
+from shared.model.quant import DEFAULT_ENCODER, QuantConfig, QuantMethod
 from shared.model.tokenizer import Tokenizer
 from shared.speculative_config import SpeculativeMethod
 
@@ -97,6 +99,7 @@ class LLMEngine:
         model, model_config = load_model(model_dir, config.dtype,
                                          quantization=_quant_config(config))
         _accelerate(model, config)
+        release_freed_heap()  # again: _accelerate repacks weights (load_model trimmed its own)
         return cls.from_model(config, model, model_config, Tokenizer(model_dir),
                               model_dir=model_dir,
                               fingerprint=open_checkpoint(model_dir).fingerprint())
@@ -336,6 +339,9 @@ class LLMEngine:
         self.scheduler.num_preemptions = 0
         if self.scheduler.drafter is not None:
             self.scheduler.drafter.stats = self.scheduler.drafter.new_stats()
+        # The first step allocates and frees its one-off buffers (prefill scratch, kernel
+        # set-up): give their pages back too, as after loading (release_freed_heap's why).
+        release_freed_heap()
         if isinstance(self.runner, ModelRunner) and self.runner.logits_guard.reset():
             log.warning("the warm-up request got NaN or infinite logits: the weights may be "
                         "broken (%s); every request will fail until they are fixed",
@@ -359,8 +365,9 @@ def _quant_config(config: EngineConfig) -> QuantConfig | None:
     what a pre-quantised checkpoint stores)."""
     if config.quantization is None:
         return None
-    return QuantConfig(method=QuantMethod(config.quantization),
-                       quantize_lm_head=True if config.quantize_lm_head else None)
+    quant = QuantConfig.parse(config.quantization, config.quant_encoder or DEFAULT_ENCODER)
+    assert quant is not None and quant.method is QuantMethod(config.quantization)
+    return replace(quant, quantize_lm_head=True if config.quantize_lm_head else None)
 
 
 def _accelerate(model: torch.nn.Module, config: EngineConfig) -> None:

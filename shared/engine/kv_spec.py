@@ -21,13 +21,15 @@ def weight_transforms(config: EngineConfig) -> WeightTransforms:
     --quantize-lm-head the head follows the default of on-the-fly quantisation. A
     pre-quantised checkpoint is covered by its fingerprint (its files differ).
     """
-    from shared.model.quant import QuantConfig  # imports the kernels; only needed here
+    # imports the kernels; only needed here
+    from shared.model.quant import DEFAULT_ENCODER, QuantConfig
 
-    quant = QuantConfig.parse(config.quantization)
+    quant = QuantConfig.parse(config.quantization, config.quant_encoder or DEFAULT_ENCODER)
     if quant is None:
         return WeightTransforms()
     head = quant.method if (config.quantize_lm_head or quant.lm_head) else "dense"
-    return WeightTransforms(quantization=str(quant.method), lm_head=str(head))
+    return WeightTransforms(quantization=str(quant.method), lm_head=str(head),
+                            encoder=str(quant.encoder))
 
 
 def kv_spec_of(model_id: str, weights_fingerprint: str, engine: EngineConfig,

@@ -44,6 +44,11 @@ def test_quantization_flags() -> None:
     assert not parse(["--quantization", "mxfp4"]).engine.quantize_lm_head
     with pytest.raises(ValueError, match="needs quantization"):
         parse(["--quantize-lm-head"])
+    assert parse(["--quantization", "mxfp4"]).engine.quant_encoder is None  # the default
+    e = parse(["--quantization", "mxfp4", "--quant-encoder", "ocp"]).engine
+    assert e.quant_encoder == "ocp"
+    with pytest.raises(SystemExit):
+        parse(["--quantization", "mxfp4", "--quant-encoder", "best"])
 
 
 def test_defaults() -> None:
