@@ -38,6 +38,7 @@ from shared.pipeline.config import PipelineConfig
 from shared.protocol.pd import Role
 
 API_KEY_ENV = "PDMESH_API_KEY"
+SPECULATIVE_CONFIG_ENV = "PDMESH_SPECULATIVE_CONFIG"
 DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
 
 
@@ -150,7 +151,8 @@ class WorkerConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str]) -> WorkerConfig:
         """Flags win; `PDMESH_API_KEY` (comma separated) is used only when no --api-key is given,
-        `PDMESH_KERNEL_TIER` only when no --kernel-tier is. `PDMESH_KV_SECRET` is read by
+        `PDMESH_KERNEL_TIER` only when no --kernel-tier is, `PDMESH_SPECULATIVE_CONFIG` (compose
+        passes it to the decode workers; empty: off) only when no --speculative-config is. `PDMESH_KV_SECRET` is read by
         KVTransferConfig.from_args from the same mapping, the parser variables by
         ParsersConfig.from_args, and the Hugging Face cache of an org/name --model
         (HF_HUB_CACHE, HF_HOME...) by hf_hub_cache_from_env."""
@@ -181,7 +183,8 @@ class WorkerConfig:
             quant_encoder=args.quant_encoder,
             seed=args.seed,
             kernel_tier=kernel_tier,
-            speculative_config=getattr(args, "speculative_config", None),
+            speculative_config=(getattr(args, "speculative_config", None)
+                                or environ.get(SPECULATIVE_CONFIG_ENV) or None),
         )
         role = Role(args.role)
         tls_files = tls.from_args(args)

@@ -70,6 +70,19 @@ def test_api_keys_flags_win_over_env() -> None:
     assert parse(["--api-key", "a", "--api-key", "b"], {"PDMESH_API_KEY": "x"}).api_keys == ("a", "b")
 
 
+def test_speculative_config_flag_wins_over_env() -> None:
+    """compose hands the decode workers PDMESH_SPECULATIVE_CONFIG; empty means off."""
+    env = {"PDMESH_SPECULATIVE_CONFIG": '{"method": "ngram", "num_speculative_tokens": 3}'}
+    spec = parse([], env).engine.speculative_config
+    assert spec is not None and (spec.method.value, spec.num_speculative_tokens) == ("ngram", 3)
+    assert parse([], {"PDMESH_SPECULATIVE_CONFIG": ""}).engine.speculative_config is None
+    flag = '{"method": "ngram", "num_speculative_tokens": 5}'
+    spec = parse(["--speculative-config", flag], env).engine.speculative_config
+    assert spec is not None and spec.num_speculative_tokens == 5
+    with pytest.raises(ValueError, match="method"):
+        parse([], {"PDMESH_SPECULATIVE_CONFIG": '{"method": "nope"}'})
+
+
 def test_revision_flag_and_hub_cache_env_reach_engine_config(tmp_path: Path) -> None:
     e = parse(["--model", "org/name", "--revision", "v1.0"],
               {"HF_HOME": str(tmp_path / "hf")}).engine
