@@ -8,7 +8,10 @@ text, list or piece of code (ASKS), so its output copies spans of the prompt. Ea
   decode   single-stream greedy decode tok/s, each ask alone ((N-1) tokens over the time
            from the first to the last token, summed over the asks)
   agg16    aggregate tok/s of 16 concurrent greedy requests (wall time, prefill included)
-and the greedy tokens of both modes are compared (they must be identical). The speculating
+and the greedy tokens of both modes are compared (they must be identical). With --never the
+draft model is a tiny random checkpoint sharing the tokenizer, so (almost) no draft is ever
+accepted: the run measures what the per-request off switch leaves of speculation's cost
+(goal: within 5% of speculation off). The speculating
 side (n-gram, or a draft model with --draft-model, e.g. the MXFP4 self-draft) also reports
 its acceptance rate (accepted / proposed draft tokens) and mean acceptance length (tokens
 emitted per speculating step: 1 + accepted / drafts).
@@ -115,6 +118,19 @@ def _spec_delta(before: Any, after: Any) -> tuple[int, int, int]:
             after.spec_num_accepted_tokens - before.spec_num_accepted_tokens)
 
 
+def random_draft(model: str) -> str:
+    """A 2-layer random checkpoint with the target's tokenizer, in a temporary directory."""
+    import tempfile
+
+    from shared.model.make_model import ModelSpec, write_checkpoint
+    from shared.model.registry import resolve_model
+
+    out = Path(tempfile.mkdtemp(prefix="spec-never-")) / "draft"
+    write_checkpoint(out, ModelSpec(arch="llama", preset="tiny", seed=1),
+                     resolve_model(model, progress=False))
+    return str(out)
+
+
 def main() -> None:
     # The repository's packages first: benchmarks/kernels.py would shadow the kernels package.
     sys.path.insert(0, str(ROOT))
@@ -135,8 +151,12 @@ def main() -> None:
     ap.add_argument("--draft-quantization", default=None, choices=["mxfp4"],
                     help="with --draft-model: quantise the draft (--draft-model = --model: the "
                          "quantised self-draft)")
+    ap.add_argument("--never", action="store_true",
+                    help="draft with a tiny random model (nothing accepted): the off switch's cost")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.never:
+        args.draft_model = random_draft(args.model)
     spec: dict[str, Any] = {"num_speculative_tokens": args.k,
                             "disable_by_batch_size": args.disable_by_batch_size}
     if args.draft_model:
