@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from typing import Any
 
 HIDDEN, INTER, LAYERS = 576, 1536, 30
 
@@ -85,7 +86,7 @@ def main() -> int:
     cores = os.cpu_count() or 1
     half = max(1, cores // 2)
     s = args.seconds
-    result = {"cores": cores}
+    result: dict[str, Any] = {"cores": cores}
     for name, rows in (("decode_b8", 8), ("prefill_256", 256)):
         result[name] = {
             "alone_1_thread": together([(1, rows)], s)[0],

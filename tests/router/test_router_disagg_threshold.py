@@ -150,6 +150,14 @@ async def test_router_with_auto_routes_by_the_learned_threshold(make_mesh):
     await _complete(mesh, 5)
     assert [len(w.calls) for w in mesh.workers] == [1, 2]
     assert threshold.estimate.prefill_samples == 1 and threshold.estimate.transfer_samples == 1
+    stream = {"model": "fake-model", "prompt": "a b c d e f", "max_tokens": 2, "stream": True}
+    resp = await mesh.client.post("/v1/completions", json=stream)
+    assert resp.status == 200 and "[DONE]" in await resp.text()
+    # A streamed P/D request is measured too (the fakes report kv_transfer_ms 1.5).
+    assert threshold.estimate.prefill_samples == 2 and threshold.estimate.transfer_samples == 2
+    alpha = learning.alpha  # x = EMA(kv seconds) / EMA(tokens), after 5 then 6 tokens
+    assert threshold.estimate.transfer_s_per_token == pytest.approx(
+        0.0015 / (5 + alpha * (6 - 5)))
     # Synthetic measurements dominate the EMA (alpha 0.1, 200 rounds): break-even ~10.3 tokens.
     a, p, x = 0.01, 1e-3, 3e-5
     _feed(threshold, 200, a, p, x, 1.0)
@@ -164,9 +172,9 @@ async def test_router_with_auto_routes_by_the_learned_threshold(make_mesh):
     assert described["disagg_threshold"]["prefill_s_per_token"] == pytest.approx(p, rel=0.01)
     await _complete(mesh, expected - 1)  # idle fakes: each decision sees a batch of 1
     await _complete(mesh, expected + 20)
-    assert [len(w.calls) for w in mesh.workers] == [2, 4]
-    assert mesh.role("decode")[0].calls[2].body.get("kv_transfer_params") is None
-    assert mesh.role("decode")[0].calls[3].body["kv_transfer_params"]
+    assert [len(w.calls) for w in mesh.workers] == [3, 5]
+    assert mesh.role("decode")[0].calls[3].body.get("kv_transfer_params") is None
+    assert mesh.role("decode")[0].calls[4].body["kv_transfer_params"]
     assert 'pdmesh:disagg_decision_total{decision="decode_only"} 2.0' in (
         await (await mesh.client.get("/metrics")).text())
 
