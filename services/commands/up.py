@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-log-level", default="WARNING",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="workers' log level (their access logs are at INFO)")
+    parser.add_argument("--disagg-min-tokens", type=_min_tokens, default="auto",
+                        metavar="N|auto",
+                        help="the router's threshold: shorter prompts are served whole by a "
+                             "decode worker (default auto: learned from measured costs)")
     parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="extra argument for the router (repeatable)")
     parser.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
@@ -66,6 +70,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "TLS (passed to the router and every worker; the mesh's URLs become https://)"))
     parser.add_argument("--kv-require-client-cert", action="store_true",
                         help="every worker's KV listener requires client certificates (mTLS)")
+
+
+def _min_tokens(value: str) -> str:
+    """Checks `--disagg-min-tokens` here, so a bad value stops `up` before any child starts.
+
+    `auto` is up's default (the router's stays 0): on one box both engines compute a prompt
+    token at the same speed and the KV moves over loopback, which is what the learned
+    threshold's cost model assumes (services/router/disagg_threshold.py)."""
+    from services.router.disagg_threshold import AUTO, parse_min_tokens  # light: no torch
+
+    tokens = parse_min_tokens(value)
+    return AUTO if tokens is None else str(tokens)
 
 
 def ensure_kv_secret(environ: MutableMapping[str, str]) -> bool:
@@ -180,7 +196,9 @@ def plan(args: argparse.Namespace, cpu_count: int) -> tuple[list, str]:
             workers.append(ChildSpec(f"{role}-{i}", tuple(argv)))
             router += ["--worker" if role == "mixed" else f"--{role}",
                        f"{scheme(args)}://{args.host}:{port}"]
-    router += args.router_arg
+    if roles[0][0] != "mixed":
+        router += ["--disagg-min-tokens", getattr(args, "disagg_min_tokens", "auto")]
+    router += args.router_arg  # last: a --router-arg wins over what up chose
     url = f"{scheme(args)}://{args.host}:{args.port}"
     return [ChildSpec("router", tuple(router)), *workers], url
 

@@ -148,8 +148,9 @@ def create_app(config: RouterConfig, resolver: Resolver | None = None) -> web.Ap
     app[CONFIG_KEY] = config
     app[LIFECYCLE_KEY] = Lifecycle()
     app[DISCOVERY_KEY] = Discovery(config.discovery, resolver)
-    app[STATE_KEY] = RouterState(config=config, registry=registry,
-                                 pairing=Pairing(registry, config),
+    pairing = Pairing(registry, config)
+    metrics.watch_threshold(pairing.threshold)
+    app[STATE_KEY] = RouterState(config=config, registry=registry, pairing=pairing,
                                  admission=Admission(config.admission), metrics=metrics)
     app.add_routes([*api.routes(), *admin.routes(),
                     web.get("/metrics", make_aiohttp_handler(metrics.registry)),

@@ -18,6 +18,7 @@ from services.common import tls
 from services.common.limits import ServerLimits
 from services.common.tls import TLSFiles
 from services.kv_transfer.config import kv_secret_from_env
+from services.router.disagg_threshold import DisaggLearning, parse_min_tokens
 
 
 class Policy(StrEnum):
@@ -219,6 +220,8 @@ class RouterConfig:
     prefill_policy: Policy = Policy.PREFIX_AWARE
     decode_policy: Policy = Policy.LEAST_LOADED
     disagg_min_tokens: int = 0
+    # Set: `--disagg-min-tokens auto`, the threshold is learned (disagg_min_tokens is unused).
+    disagg_learning: DisaggLearning | None = None
     tokenizer: TokenizerSource = TokenizerSource.AUTO
     prefix_block_size: int = 16  # used until a group reports its own block size
     overload_abs: int = 8  # prefix-aware falls back to load past min_load + abs ...
@@ -277,7 +280,9 @@ class RouterConfig:
             max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_seconds,
             body_timeout_s=args.body_timeout_seconds,
             prefill_policy=Policy(args.prefill_policy), decode_policy=Policy(args.decode_policy),
-            disagg_min_tokens=args.disagg_min_tokens, tokenizer=TokenizerSource(args.tokenizer),
+            disagg_min_tokens=args.disagg_min_tokens or 0,
+            disagg_learning=DisaggLearning() if args.disagg_min_tokens is None else None,
+            tokenizer=TokenizerSource(args.tokenizer),
             early_first_token=not args.no_early_first_token,
             health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
             request_timeout_s=args.request_timeout,
@@ -336,8 +341,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     choices = [p.value for p in Policy]
     parser.add_argument("--prefill-policy", choices=choices, default=d.prefill_policy.value)
     parser.add_argument("--decode-policy", choices=choices, default=d.decode_policy.value)
-    parser.add_argument("--disagg-min-tokens", type=int, default=d.disagg_min_tokens,
-                        help="shorter prompts skip the prefill leg")
+    parser.add_argument("--disagg-min-tokens", type=parse_min_tokens,
+                        default=d.disagg_min_tokens, metavar="N|auto",
+                        help="shorter prompts skip the prefill leg and are served whole by a "
+                             "decode worker; 'auto': learn N from measured prefill, KV-transfer "
+                             "and decode-batch costs (GET /v1/router/metadata shows them)")
     parser.add_argument("--tokenizer", choices=[t.value for t in TokenizerSource],
                         default=d.tokenizer.value)
     parser.add_argument("--no-early-first-token", action="store_true",

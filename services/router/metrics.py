@@ -6,9 +6,12 @@ are refreshed after every health round (`observe_registry`); request metrics as 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.task_metrics import AsyncioTaskCollector
+from services.router.disagg_threshold import DisaggThreshold
 from services.router.pairing import Decision
 from services.router.registry import WorkerRegistry
 from shared.protocol.pd import Role
@@ -17,6 +20,19 @@ from shared.protocol.pd import Role
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+_COST_INPUTS = ("prefill_s_per_token", "prefill_overhead_s", "transfer_s_per_token",
+                "decode_batch")
+
+
+def _reader(threshold: DisaggThreshold, name: str) -> Callable[[], float]:
+    """A scrape-time reader of one input of the threshold's estimate (NaN: not measured)."""
+    def read() -> float:
+        value = getattr(threshold.estimate, name)
+        return float("nan") if value is None else float(value)
+
+    return read
 
 
 class RouterMetrics:
@@ -68,7 +84,24 @@ class RouterMetrics:
                              registry=r)
         self.groups = Gauge("pdmesh:router_groups", "Compatibility groups", ["servable"],
                             registry=r)
+        self.disagg_threshold = Gauge("pdmesh:disagg_threshold_tokens",
+                                      "Prompts with fewer tokens are served whole by a decode "
+                                      "worker (fixed, or learned with --disagg-min-tokens auto)",
+                                      registry=r)
+        self.disagg_inputs = Gauge("pdmesh:disagg_cost_input",
+                                   "Inputs of the learned threshold (disagg_threshold.py): "
+                                   "prefill_s_per_token, prefill_overhead_s, "
+                                   "transfer_s_per_token, decode_batch (NaN: not measured)",
+                                   ["input"], registry=r)
         r.register(AsyncioTaskCollector())
+
+    def watch_threshold(self, threshold: DisaggThreshold) -> None:
+        """Read the threshold (and, when learned, its inputs) at every scrape."""
+        self.disagg_threshold.set_function(lambda: threshold.tokens)
+        if not threshold.auto:
+            return
+        for name in _COST_INPUTS:
+            self.disagg_inputs.labels(name).set_function(_reader(threshold, name))
 
     def observe_decision(self, decision: Decision, whole: str | None, role: Role | None) -> str:
         """Count a request's routing decision (its first attempt); `whole` is why it is served

@@ -68,6 +68,7 @@ class ClientRequest:
     http: web.Request
     phases: Phases
     tracker: StreamTracker | None = None  # a migratable stream: what the client got
+    prompt_tokens: int | None = None  # as the prefill leg's usage counts them
 
     @property
     def stream(self) -> bool:
@@ -183,7 +184,9 @@ class Orchestrator:
             req.phases.decision = route.decision.value
             try:
                 with route.hold():  # no await since plan(): a drain cannot slip in between
-                    return await self._attempt(route, req, out)
+                    response = await self._attempt(route, req, out)
+                self._learn_transfer(route, req)
+                return response
             except UpstreamFailure as failure:
                 last = failure
                 self._metrics.upstream_failures.labels(failure.leg, str(failure.status)).inc()
@@ -201,6 +204,15 @@ class Orchestrator:
                 avoid.add(failure.worker_id)
                 await asyncio.sleep(delay)
         raise AssertionError("unreachable: the last attempt raises")
+
+    def _learn_transfer(self, route: Route, req: ClientRequest) -> None:
+        """Tell the threshold how long the decode said the prompt's KV took to arrive."""
+        ms = req.phases.reported.get("kv_transfer_ms")
+        if (route.prefill is None or req.prompt_tokens is None
+                or req.phases.reported.get("kv_recomputed") is True
+                or not isinstance(ms, int | float)):
+            return
+        self._pairing.threshold.observe_transfer(req.prompt_tokens, ms / 1000.0)
 
     async def _attempt(self, route: Route, req: ClientRequest,
                        out: ClientStream | None) -> web.StreamResponse:
@@ -275,6 +287,12 @@ class Orchestrator:
         elapsed = time.monotonic() - start
         req.phases.prefill_ms = elapsed * 1000.0
         self._metrics.prefill_time.observe(elapsed)
+        usage = doc.get("usage")
+        tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        if isinstance(tokens, int):
+            req.prompt_tokens = tokens
+            self._pairing.threshold.observe_prefill(tokens - (cached_tokens_of(doc) or 0),
+                                                    elapsed)
         if not req.stream:
             req.phases.mark_first_token()
         return doc

@@ -1,7 +1,8 @@
 """Turning a request into a `Route`: a servable group, a decision, and the worker(s) to use.
 
-The decision is conditional disaggregation: prompts with fewer than `disagg_min_tokens` tokens
-skip the prefill leg and go to a decode (or mixed) worker; a group made only of mixed workers
+The decision is conditional disaggregation: prompts with fewer tokens than the threshold
+(`disagg_threshold.py`: `--disagg-min-tokens N`, or learned with `auto`, which is told the
+decode side's load at each decision) skip the prefill leg and go to a decode (or mixed) worker; a group made only of mixed workers
 serves everything locally. A request no P/D leg can serve (n>1, several prompts; see
 `legs.needs_single_worker`) goes whole to one worker: a mixed one if any group has one healthy,
 else a decode worker, which computes the prompt itself. Workers come from one group only, which
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from services.router.config import Policy, RouterConfig
+from services.router.disagg_threshold import DisaggThreshold
 from services.router.errors import NoServableGroupError
 from services.router.policies import (
     Candidate,
@@ -80,13 +82,14 @@ class Pairing:
         self._prefill_state = state or PolicyState()
         self._decode_state = PolicyState(rng=self._prefill_state.rng)
         self.prefix = PrefixIndex()
+        self.threshold = DisaggThreshold(config.disagg_min_tokens, config.disagg_learning)
 
     def needs_tokens(self, whole: bool = False) -> bool:
         """Whether planning uses prompt token ids (else the router never tokenises); a whole
         request only picks a decode/mixed worker, by the decode policy alone."""
         if whole:
             return self._cfg.decode_policy is Policy.PREFIX_AWARE
-        return (self._cfg.disagg_min_tokens > 0
+        return (self.threshold.auto or self.threshold.tokens > 0
                 or Policy.PREFIX_AWARE in (self._cfg.prefill_policy, self._cfg.decode_policy))
 
     def plan(self, prompt_ids: Sequence[int] | None, avoid: set[str],
@@ -98,8 +101,10 @@ class Pairing:
                                        transient=self._transient())
         if whole:
             return self._plan_whole(groups, prompt_ids, avoid)
-        short = prompt_ids is not None and len(prompt_ids) < self._cfg.disagg_min_tokens
         pd = [g for g in groups if g.pd_servable]
+        if pd:
+            self.threshold.observe_batch(min(_group_load(g.usable_decode) for g in pd))
+        short = prompt_ids is not None and len(prompt_ids) < self.threshold.tokens
         if pd and not short:
             group = min(pd, key=lambda g: _group_load(g.usable_prefill + g.usable_decode))
             prefill = self._choose(self._cfg.prefill_policy, group.usable_prefill, avoid,
