@@ -30,6 +30,7 @@ class PaddedViews:
         (computed + new), padded with slot 0.
     query_index: LongTensor[B, Qmax], index into T of each sequence's new tokens, padded with 0.
     query_valid: BoolTensor[B, Qmax], which entries of query_index are real.
+    query_pos: LongTensor[B, Qmax], absolute position of each query (padding rows too).
     attn_mask: BoolTensor[B, 1, Qmax, Lmax], True where query i may attend to key j
         (causal within the sequence, and not padding).
     """
@@ -38,6 +39,7 @@ class PaddedViews:
     gather_slots: torch.Tensor
     query_index: torch.Tensor
     query_valid: torch.Tensor
+    query_pos: torch.Tensor
     attn_mask: torch.Tensor
 
 
@@ -52,6 +54,10 @@ class AttentionMetadata:
     itself, with no gather and no padding. The plain-torch path reads the PaddedViews
     (slot_mapping, gather_slots, ...), built on first access only, so a native step never
     pays for them.
+    Sliding-window layers (ModelConfig.layer_windows) never read keys before their window,
+    so a block table may hold any valid id there: the block manager drops blocks that left
+    every layer's window and the runner fills their entries with block 0 (see
+    shared/engine/block_manager.py).
     """
 
     block_tables: torch.Tensor
@@ -108,8 +114,28 @@ class AttentionMetadata:
         attn_mask[:, :, 0] |= ~query_valid
         slot_mapping = gather_slots.gather(1, q_pos.clamp(max=lmax - 1))[query_valid]
         return PaddedViews(slot_mapping=slot_mapping, gather_slots=gather_slots,
-                           query_index=query_index, query_valid=query_valid,
+                           query_index=query_index, query_valid=query_valid, query_pos=q_pos,
                            attn_mask=attn_mask[:, None])
+
+    def attn_mask(self, window: int | None) -> torch.Tensor:
+        """The padded views' mask [B, 1, Qmax, Lmax], narrowed to a sliding window of
+        `window` keys (HF: query p attends to keys k with p - window < k <= p); cached per
+        window, so the layers sharing one window build it once per step."""
+        views = self.padded
+        if window is None:
+            return views.attn_mask
+        masks = self._window_masks
+        if window not in masks:
+            pos = torch.arange(views.gather_slots.shape[1])  # [Lmax]
+            inside = pos[None, None, :] > views.query_pos[:, :, None] - window  # [B, Qmax, Lmax]
+            # Padding rows keep key 0 (see padded): each valid row keeps its own position.
+            inside[:, :, 0] |= ~views.query_valid
+            masks[window] = views.attn_mask & inside[:, None]
+        return masks[window]
+
+    @functools.cached_property
+    def _window_masks(self) -> dict[int, torch.Tensor]:
+        return {}
 
 
 def paged_attention(
@@ -119,8 +145,10 @@ def paged_attention(
     kv_layer: torch.Tensor,  # [2, num_blocks, block_size, KVH, D], one layer of the cache
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [T, H, D]
-    """Write the new K/V into the cache, then attend over each sequence's whole context."""
+    """Write the new K/V into the cache, then attend over each sequence's context: all of it,
+    or its last `window` positions up to each query (a sliding-window layer)."""
     kvh, d = k.shape[1], k.shape[2]
     views = meta.padded
     k_flat = kv_layer[0].view(-1, kvh, d)  # [num_slots, KVH, D]
@@ -133,7 +161,7 @@ def paged_attention(
     values = v_flat[views.gather_slots].float().transpose(1, 2)
     queries = q[views.query_index].float().transpose(1, 2)  # [B, H, Qmax, D]
     out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=views.attn_mask, scale=scale,
+        queries, keys, values, attn_mask=meta.attn_mask(window), scale=scale,
         enable_gqa=queries.shape[1] != keys.shape[1],
     )  # [B, H, Qmax, D]
     return out.transpose(1, 2)[views.query_valid].to(q.dtype)  # [T, H, D]

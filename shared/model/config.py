@@ -65,7 +65,10 @@ class ModelConfig:
     `qk_norm` (Qwen3) RMS-normalises every query and key head over head_dim before RoPE, with
     one learnt weight per projection; its head_dim is its own, not hidden_size / heads.
     `eos_token_ids` is always a tuple (HF allows an int or a list). `torch_dtype` is the
-    checkpoint's declared storage dtype, informational only.
+    checkpoint's declared storage dtype, informational only. `layer_windows` holds each
+    layer's sliding window W (HF semantics: a query at position p attends to keys at
+    positions p - W < k <= p) or None for full causal attention; empty means every layer is
+    full.
     """
 
     architecture: str
@@ -86,6 +89,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    layer_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -99,6 +103,11 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_kv_heads})")
         self.rope.check_head_dim(self.head_dim)
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for "
+                             f"{self.num_layers} layers")
+        if any(w is not None and w < 1 for w in self.layer_windows):
+            raise ValueError(f"sliding windows must be >= 1, got {self.layer_windows}")
         if self.rope.partial_rotary_factor != 1.0:
             # The native RoPE/attention kernels rotate the whole head; refuse rather than
             # serve a half-rotated model.
@@ -108,6 +117,20 @@ class ModelConfig:
     @property
     def model_type(self) -> str:
         return ARCHITECTURES[self.architecture]
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (global index), None for full causal attention."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def kv_window(self) -> int | None:
+        """How many trailing positions any future query can still read, when every layer
+        slides: the largest window. None when some layer attends to the whole context (then
+        no KV can ever be dropped)."""
+        windows = [self.window(i) for i in range(self.num_layers)]
+        if any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
 
     @property
     def q_size(self) -> int:
@@ -135,7 +158,7 @@ class ModelConfig:
             raise ValueError("mlp_bias=true is not supported")
         heads = int(cfg["num_attention_heads"])
         max_pos = int(cfg["max_position_embeddings"])
-        _refuse_sliding_window(model_type, cfg, max_pos)
+        windows = _layer_windows(model_type, cfg, max_pos)
         own_bias = model_type in ("llama", "qwen3") and bool(cfg["attention_bias"])
         return ModelConfig(
             architecture=arch,
@@ -156,6 +179,7 @@ class ModelConfig:
             bos_token_id=None if cfg["bos_token_id"] is None else int(cfg["bos_token_id"]),
             eos_token_ids=_token_ids(cfg["eos_token_id"]),
             torch_dtype=_dtype_name(cfg.get("torch_dtype") or cfg.get("dtype")),
+            layer_windows=windows,
         )
 
 
@@ -196,22 +220,44 @@ def _architecture(architectures: Any, model_type: Any) -> str:
                      f"(supported: {', '.join(ARCHITECTURES)})")
 
 
-def _refuse_sliding_window(model_type: str, cfg: Mapping[str, Any], max_pos: int) -> None:
-    """Raise if any layer would use a sliding window shorter than the context."""
+def _layer_windows(model_type: str, cfg: Mapping[str, Any], max_pos: int
+                   ) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as HF transformers applies the config's keys.
+
+    Mistral and Phi-3 slide every layer by `sliding_window` (their HF models ignore
+    `layer_types`). Qwen2 and Qwen3 honour `sliding_window` only with `use_sliding_window`,
+    on the layers `layer_types` marks "sliding_attention", which default to the layers at or
+    past `max_window_layers`. Llama has no sliding-window attention in HF: a window shorter
+    than the context there is refused rather than guessed at. Empty when no layer slides.
+    """
+    layers = int(cfg["num_hidden_layers"])
     window = cfg.get("sliding_window")
-    layer_types = list(cfg.get("layer_types") or [])
-    if model_type in ("qwen2", "qwen3") and not layer_types:
-        # HF Qwen2/3: layers >= max_window_layers slide, only when use_sliding_window is set.
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+        window = None  # HF: sliding_window = sliding_window if use_sliding_window else None
+    types = list(cfg.get("layer_types") or [])
+    if types and len(types) != layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported "
+                         "(only full_attention and sliding_attention)")
+    if model_type in ("mistral", "phi3"):
+        types = ["sliding_attention"] * layers
+    elif model_type in ("qwen2", "qwen3") and not types:
         start = int(cfg.get("max_window_layers", 28))
-        if cfg.get("use_sliding_window") and int(cfg["num_hidden_layers"]) > start:
-            layer_types = ["sliding_attention"]
-    elif model_type in ("mistral", "phi3") and not layer_types:
-        layer_types = ["sliding_attention"]  # HF Mistral/Phi3 apply sliding_window to every layer
-    sliding = "sliding_attention" in layer_types
-    if sliding and window is not None and int(window) < max_pos:
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+    if window is None or "sliding_attention" not in types:
+        return ()
+    if int(window) < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {window}")
+    if model_type == "llama" and int(window) < max_pos:
         raise ValueError(
             f"sliding_window={window} is smaller than the context "
-            f"(max_position_embeddings={max_pos}); sliding-window attention is not supported")
+            f"(max_position_embeddings={max_pos}) on a llama config, whose HF model has no "
+            "sliding-window attention; refusing to guess")
+    if model_type == "llama":
+        return ()
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:

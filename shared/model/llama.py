@@ -89,10 +89,13 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Fused-qkv self-attention with RoPE, reading and writing one layer of the paged cache.
-    With config.qk_norm (Qwen3), each query and key head is RMS-normalised before RoPE."""
+    With config.qk_norm (Qwen3), each query and key head is RMS-normalised before RoPE.
+    `window` is this layer's sliding window (None: full causal attention)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, window: int | None = None
+                 ) -> None:
         super().__init__()
+        self.window = window
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.qk_size = config.q_size + config.kv_size
@@ -119,14 +122,15 @@ class Attention(nn.Module):
         qk = RotaryEmbedding.apply(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_layer, meta, self.scale)  # [T, H, D]
+        out = paged_attention(q, k, v, kv_layer, meta, self.scale, self.window)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
     def forward_native(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_layer: torch.Tensor,
                        tables: StepTables, native: NativeDecoder, g: LayerGeometry
                        ) -> torch.Tensor:
         """forward, with RoPE, the cache write and attention in one native call (any T)."""
-        return self.o_proj(native.rope_attention(self.qkv_proj(x), kv_layer, cos_sin, tables, g))
+        return self.o_proj(native.rope_attention(self.qkv_proj(x), kv_layer, cos_sin, tables, g,
+                                                 self.window))
 
 
 class MLP(nn.Module):
@@ -147,10 +151,11 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, window: int | None = None
+                 ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype)
+        self.self_attn = Attention(config, dtype, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
         self.fused: LayerWeights | None = None  # set by LlamaForCausalLM.use_native
@@ -168,7 +173,8 @@ class DecoderLayer(nn.Module):
         FUSED_MAX_ROWS rows (prefill), whose linears then dequantise for torch's GEMM between
         the native norms, attention, SiLU and residual adds."""
         if self.fused is not None and fuses(self.fused.packed, x.shape[0]):
-            native.decoder_layer(x, kv_layer, cos_sin, tables, self.fused, g)
+            native.decoder_layer(x, kv_layer, cos_sin, tables, self.fused, g,
+                                 self.self_attn.window)
             return x
         attn, mlp = self.self_attn, self.mlp
         xn = native.rms_norm(x, self.input_layernorm.weight, g.rms_norm_eps)
@@ -243,7 +249,8 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):
             self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
                                  if self.is_first else None)
-            self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(start, end))
+            self.layers = nn.ModuleList(DecoderLayer(config, dtype, config.window(i))
+                                        for i in range(start, end))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last else None
             self.lm_head = (nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
                             if self.is_last else None)
@@ -258,6 +265,7 @@ class LlamaForCausalLM(nn.Module):
         self.geometry = LayerGeometry(config.num_heads, config.num_kv_heads, config.head_dim,
                                       config.rms_norm_eps, config.head_dim ** -0.5)
         self.native: NativeDecoder | None = None  # see use_native
+        self._windows = [config.window(i) or 0 for i in range(start, end)]  # 0: full attention
         self._fused_stack: list[torch.Tensor | None] | None = None
         self._stack_packed = False  # some fused layer is MXFP4 (see fuses)
         self.requires_grad_(False)
@@ -315,7 +323,8 @@ class LlamaForCausalLM(nn.Module):
         if not self.is_first:  # fused layers update h in place: never the caller's tensor
             h = h.clone(memory_format=torch.contiguous_format)
         if self._fused_stack is not None and fuses(self._stack_packed, h.shape[0]):
-            native.decoder_layers(h, kv_cache, cos_sin, tables, self._fused_stack, self.geometry)
+            native.decoder_layers(h, kv_cache, cos_sin, tables, self._fused_stack, self.geometry,
+                                  windows=self._windows)
         else:
             for i, layer in enumerate(self._decoder_layers):
                 h = layer.forward_native(h, cos_sin, kv_cache[i], tables, native, self.geometry)

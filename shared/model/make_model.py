@@ -43,7 +43,9 @@ class ModelSpec:
     embedding / LM-head rows (None: the tokenizer's 49152); more rows than tokens is the
     padded-vocab layout (Qwen2.5: 151,936 rows for 151,665 tokens). padding_head_scale
     multiplies the untied LM head's rows past the tokenizer, so that a greedy model emits
-    ids the tokenizer cannot spell (tests of that case).
+    ids the tokenizer cannot spell (tests of that case). sliding_window gives mistral and
+    phi3 a window on every layer, and qwen2 / qwen3 one on the layers at or past
+    max_window_layers (use_sliding_window set); llama has none.
     """
 
     arch: str = "llama"
@@ -63,6 +65,8 @@ class ModelSpec:
     dtype: str = "float32"
     vocab_size: int | None = None
     padding_head_scale: float = 1.0
+    sliding_window: int | None = None
+    max_window_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in _ARCH_BY_NAME:
@@ -77,6 +81,8 @@ class ModelSpec:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.num_shards < 1:
             raise ValueError("num_shards must be >= 1")
+        if self.sliding_window is not None and (self.arch == "llama" or self.sliding_window < 1):
+            raise ValueError("sliding_window must be >= 1, and llama has no sliding window")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
         if self.padding_head_scale != 1.0 and (self.tie_word_embeddings
@@ -114,7 +120,12 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     if spec.arch == "qwen3":
         cfg.update(attention_bias=spec.attention_bias)
     if spec.arch in ("qwen2", "mistral", "qwen3"):
-        cfg.update(sliding_window=None, use_sliding_window=False)
+        cfg.update(sliding_window=spec.sliding_window,
+                   use_sliding_window=spec.sliding_window is not None)
+    if spec.arch in ("qwen2", "qwen3"):
+        cfg.update(max_window_layers=spec.max_window_layers)
+    if spec.arch == "phi3":
+        cfg.update(sliding_window=spec.sliding_window)
     scaling = _rope_scaling(spec)
     if spec.rope_keys == "legacy":
         cfg["rope_theta"] = spec.rope_theta

@@ -288,7 +288,8 @@ def test_decode_team_equals_the_per_op_driver(native: NativeDecoder, arch: str, 
     try:
         torch.set_num_threads(threads)
         team = _run(model, SMALL_STEPS)
-        native.decoder_layers = lambda *a: per_op(*a, team=False)  # type: ignore[method-assign]
+        native.decoder_layers = (  # type: ignore[method-assign]
+            lambda *a, **k: per_op(*a, **k, team=False))
         oracle = _run(model, SMALL_STEPS)
     finally:
         native.decoder_layers = per_op  # type: ignore[method-assign]
