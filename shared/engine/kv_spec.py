@@ -32,11 +32,12 @@ def weight_transforms(config: EngineConfig) -> WeightTransforms:
 
 def kv_spec_of(model_id: str, weights_fingerprint: str, engine: EngineConfig,
                config: ModelConfig) -> ModelKVSpec:
-    """The spec of a loaded model: ModelConfig carries geometry and RoPE, the engine's
-    configuration the dtypes and the weight transforms."""
+    """The spec of a loaded model: ModelConfig carries geometry, RoPE and the attention
+    windows, the engine's configuration the dtypes and the weight transforms."""
     return ModelKVSpec(model_id=model_id, weights_fingerprint=weights_fingerprint,
                        dtype=engine.dtype, kv_dtype=engine.resolved_kv_dtype,
                        num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
                        head_dim=config.head_dim,
                        rope=ModelKVSpec.rope_items(dataclasses.asdict(config.rope)),
-                       transforms=weight_transforms(engine))
+                       transforms=weight_transforms(engine),
+                       attention_windows=ModelKVSpec.windows_factor(config.layer_windows))

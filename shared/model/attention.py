@@ -80,9 +80,10 @@ class AttentionMetadata:
         starts = [0]
         for n in num_scheduled_tokens:
             starts.append(starts[-1] + n)
+        tables = torch.tensor([t + [0] * (nblk - len(t)) for t in block_tables],
+                              dtype=torch.int32)
         return AttentionMetadata(
-            block_tables=torch.tensor([t + [0] * (nblk - len(t)) for t in block_tables],
-                                      dtype=torch.int32),
+            block_tables=tables.clamp_(min=0),  # dropped blocks (-1) read as block 0
             context_lens=torch.tensor(ctx, dtype=torch.int32),
             query_start=torch.tensor(starts, dtype=torch.int32),
             block_size=block_size,

@@ -12,6 +12,7 @@ driver.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -165,8 +166,7 @@ def test_windowed_native_model_matches_plain_torch(native: NativeDecoder,
     # The per-op driver, and the per-layer calls, are the decode team's oracles, bit for bit.
     per_op = native.decoder_layers
     try:
-        native.decoder_layers = (  # type: ignore[method-assign]
-            lambda *a, **k: per_op(*a, **k, team=False))
+        native.decoder_layers = partial(per_op, team=False)  # type: ignore[method-assign]
         assert torch.equal(_run(model, STEPS), fused)
     finally:
         native.decoder_layers = per_op  # type: ignore[method-assign]

@@ -46,7 +46,7 @@ ALTERED = {
     "weight_transforms": WeightTransforms(quantization="mxfp4").items(),
     "dtype": "float32", "kv_dtype": "float32", "num_layers": 31, "num_kv_heads": 4,
     "head_dim": 128, "rope": ModelKVSpec.rope_items({"rope_theta": 10000.0}),
-    "kv_layout": "other-layout", "transfer_mode": "push",
+    "kv_layout": "other-layout", "transfer_mode": "push", "attention_windows": "4096,full",
 }
 
 
@@ -184,3 +184,31 @@ def test_weight_transforms_say_what_the_engine_loaded(ckpt: Path, quantization: 
                               lm_head="mxfp4" if isinstance(model.lm_head, MXFP4Linear)
                               else "dense")
     assert weight_transforms(config) == loaded
+
+
+# --- Sliding windows are a factor --------------------------------------------------------------
+
+def _windowed(base, windows: tuple[int | None, ...]):
+    return dataclasses.replace(base, layer_windows=windows)
+
+
+def test_a_different_sliding_window_changes_the_hash(model_config) -> None:
+    """A prefill and a decode whose layers attend over different windows compute different KV
+    past the first window: they never pair, and the refusal names the factor."""
+    n = model_config.num_layers
+    full = _hash(EngineConfig(), model_config)
+    w8 = _windowed(model_config, (8,) * n)
+    assert _hash(EngineConfig(), w8) != full
+    assert _hash(EngineConfig(), w8) != _hash(EngineConfig(), _windowed(model_config, (16,) * n))
+    mixed = _windowed(model_config, (None,) * (n - 1) + (8,))
+    assert _hash(EngineConfig(), mixed) not in (full, _hash(EngineConfig(), w8))
+    f, g = (CompatFactors.for_transfer(kv_spec_of("m", "fp", EngineConfig(), c), PullTransfer)
+            for c in (model_config, w8))
+    (diff,) = diff_factors(f, g.to_wire())
+    assert diff.name == "attention_windows" and "full" in diff.local and "8" in diff.remote
+
+
+def test_windows_factor_names_each_layer() -> None:
+    assert ModelKVSpec.windows_factor([]) == ModelKVSpec.windows_factor([None, None]) == "full"
+    assert ModelKVSpec.windows_factor([None, 4096]) == "full,4096"
+    assert ModelKVSpec.windows_factor([7, 7]) == "7,7"
