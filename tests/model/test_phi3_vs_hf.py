@@ -78,7 +78,7 @@ def test_phi3_batched_prefill_matches_hf(pair) -> None:
 
 
 def test_phi3_sliding_window_applies_to_every_layer() -> None:
-    """HF Phi-3 slides every layer by sliding_window (tests/model/test_sliding_window.py runs
+    """HF Phi-3 slides every layer by sliding_window (tests/model/test_sliding_window_vs_hf.py runs
     one against HF)."""
     from shared.model.config import ModelConfig
     raw = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 256,
