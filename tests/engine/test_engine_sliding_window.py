@@ -19,7 +19,7 @@ import torch
 from shared.config import EngineConfig
 from shared.engine.block_manager import DROPPED_BLOCK, KVCacheManager
 from shared.engine.engine import LLMEngine
-from shared.engine.request import Request, RequestStatus
+from shared.engine.request import PrefilledKV, Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from tests.support.dense import DENSE_TIERS, dense_or_skip
 from tests.support.engine import assert_all_blocks_free, hf_greedy, random_prompts, run_engine
@@ -162,6 +162,44 @@ def test_kv_in_use_for_a_long_prompt_is_bounded_by_the_window(case) -> None:
     else:  # a full-attention layer reads everything: nothing may be dropped
         assert peak == total
     assert_all_blocks_free(engine)
+
+
+def test_prefill_decode_split_transfers_the_whole_table(case) -> None:
+    """P/D: the prefill (hold_kv) keeps every block of its prompt, so the transfer copies the
+    whole block table; the decode engine adopts it, drops what lies outside the window at its
+    first step and continues with HF's tokens."""
+    name, ckpt, _, reference = case
+    p_engine, d_engine = _engine(ckpt), _engine(ckpt)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        p_engine.add_request(f"p{i}", prompt, params, hold_kv=True)
+        outs = []
+        while p_engine.has_unfinished_requests():
+            outs += p_engine.step()
+        src = p_engine.held_block_ids(f"p{i}")
+        assert src is not None and DROPPED_BLOCK not in src and len(src) == -(-len(prompt) // BS)
+        dst = d_engine.allocate_blocks(len(prompt))
+        assert dst is not None
+        d_engine.runner.kv_cache[:, :, dst] = p_engine.runner.kv_cache[:, :, src]
+        assert p_engine.release_held(f"p{i}")
+        d_engine.add_request(f"req-{i}", prompt, GREEDY,
+                             prefilled=PrefilledKV(tuple(dst), len(prompt), outs[-1].token_ids[0]))
+    first_step = d_engine.step()  # schedules every adopted request: drops before computing
+    long_table = d_engine.scheduler.requests["req-2"].block_table
+    assert (DROPPED_BLOCK in long_table) == (name == "mistral")
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+    for out in first_step + _drain(d_engine):
+        tokens[int(out.request_id.split("-")[1])] += out.new_token_ids
+    assert [tokens[i] for i in range(len(PROMPTS))] == reference
+    assert_all_blocks_free(p_engine)
+    assert_all_blocks_free(d_engine)
+
+
+def _drain(engine: LLMEngine) -> list:
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    return outs
 
 
 def _block_bytes(ckpt: Path) -> int:
