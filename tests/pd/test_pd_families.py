@@ -26,6 +26,9 @@ FAMILIES = {
     # Fused qkv_proj/gate_up_proj in the checkpoint.
     "phi3": ModelSpec(arch="phi3", preset="tiny", tie_word_embeddings=False, seed=5,
                       max_position_embeddings=2304),
+    # Every layer slides over 8 positions: the decode drops blocks the prefill sent whole.
+    "mistral_sliding": ModelSpec(arch="mistral", preset="tiny", tie_word_embeddings=False,
+                                 seed=5, max_position_embeddings=2304, sliding_window=8),
 }
 COMPLETIONS = "/v1/completions"
 

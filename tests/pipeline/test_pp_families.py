@@ -28,6 +28,13 @@ FAMILIES = {
                        seed=3),
     # Fused qkv_proj/gate_up_proj in the checkpoint.
     "phi3": ModelSpec(arch="phi3", preset="small", tie_word_embeddings=False, seed=3),
+    # Qwen2 with layers 0-1 full and 2-3 sliding over 8 positions: each stage gets its own
+    # layers' windows (by global index).
+    "qwen2_sliding": ModelSpec(arch="qwen2", preset="small", tie_word_embeddings=False, seed=3,
+                               sliding_window=8, max_window_layers=2),
+    # Every layer slides: the engine drops blocks while both stages run.
+    "mistral_sliding": ModelSpec(arch="mistral", preset="small", tie_word_embeddings=False,
+                                 seed=3, sliding_window=8),
 }
 CHUNKED = {"max_num_batched_tokens": 24}
 
