@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/engine.py [--dtype bfloat16|float32] [--threads 2]
                                           [--quantization mxfp4] [--model NAME_OR_DIR]
                                           [--kernel-tier auto|avx2|...] [--json OUT.json]
+                                          [--moe]
 
 Each side runs in its own subprocess (so peak RSS is its own) and measures:
   decode   single-stream decode tok/s: (N-1) tokens over the time from first to last token
@@ -12,6 +13,11 @@ Each side runs in its own subprocess (so peak RSS is its own) and measures:
 The parent prints both sides and the ratios (ours / HF; for TTFT, HF / ours, so > 1 is
 better for us everywhere), and which kernel tier our side ran (--kernel-tier caps it, default
 $PDMESH_KERNEL_TIER, else auto); --json also writes all of it to a file.
+
+--moe benchmarks a random Qwen3-MoE instead of --model (make_model's `medium` preset: 8 layers,
+hidden 512, 32 experts of width 256, top-4, renormalised; ~150M parameters, ~35M active per
+token), written once into a temporary directory and read by both sides. Its layers decline the
+native fused path (QK-norm, routed experts), so our side runs plain torch with the GEMV swap.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -129,7 +136,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1,
                    help="alternate ours/HF this many times and keep each side's best figures "
                         "(steadier on a machine shared with other work)")
+    p.add_argument("--moe", action="store_true",
+                   help="benchmark a random Qwen3-MoE (32 experts, top-4) instead of --model")
     p.add_argument("--side", choices=("ours", "hf"), help=argparse.SUPPRESS)
+    p.add_argument("--write-moe", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -147,6 +157,17 @@ def child(args: argparse.Namespace, side: str) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def write_moe(out_dir: Path, dtype: str) -> Path:
+    """The --moe checkpoint: random weights, SmolLM2's tokenizer (see the module docstring)."""
+    from shared.model.make_model import ModelSpec, write_checkpoint
+    from shared.model.registry import resolve_model
+
+    spec = ModelSpec(arch="qwen3_moe", preset="medium", tie_word_embeddings=False, seed=0,
+                     num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256,
+                     dtype=dtype)
+    return write_checkpoint(out_dir, spec, resolve_model("smollm2-135m-instruct", progress=False))
+
+
 def best(results: list[dict[str, Any]]) -> dict[str, float]:
     """Per metric, the best round: highest throughput, lowest TTFT and RSS."""
     return {k: (max if k in ("decode", "agg16") else min)(r[k] for r in results)
@@ -160,6 +181,21 @@ def main(argv: list[str] | None = None) -> int:
         result = run_ours(args) if args.side == "ours" else run_hf(args)
         print(json.dumps(result))
         return 0
+    if args.write_moe:
+        write_moe(args.write_moe, args.dtype)
+        return 0
+    if not args.moe:
+        return compare(args)
+    with tempfile.TemporaryDirectory(prefix="pdmesh-bench-moe-") as tmp:
+        # In a child: a process's peak RSS survives exec, so the sides must not inherit ours.
+        subprocess.run([sys.executable, __file__, "--write-moe", tmp, "--dtype", args.dtype],
+                       cwd=ROOT, check=True)
+        args.model = tmp
+        return compare(args, title="random Qwen3-MoE (32 experts, top-4)")
+
+
+def compare(args: argparse.Namespace, title: str | None = None) -> int:
+    """Run both sides (alternating, --rounds times) and print / write the comparison."""
     runs: dict[str, list[dict[str, float]]] = {"ours": [], "hf": []}
     load_before = os.getloadavg()[0]  # the machine may be shared: say how busy it was
     for _ in range(args.rounds):
@@ -169,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     kernels = runs["ours"][-1]["kernels"]
     quant = f", quantization={args.quantization}" if args.quantization else ""
     load_after = os.getloadavg()[0]
-    print(f"{args.model}, {args.dtype}, {args.threads} threads{quant}, best of {args.rounds}, "
+    print(f"{title or args.model}, {args.dtype}, {args.threads} threads{quant}, best of {args.rounds}, "
           f"load average {load_before:.2f} before / {load_after:.2f} after")
     ran = ", ".join(f"{lib} {backend} ({kernels[lib]})" if backend else f"{lib} unused"
                     for lib, backend in kernels["backends"].items())
@@ -184,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:<28}{ours[key] * scale:>10.1f}{hf[key] * scale:>10.1f}{ratio:>7.2f}x")
     if args.json is not None:
         args.json.write_text(json.dumps({
-            "model": args.model, "dtype": args.dtype, "threads": args.threads,
+            "model": title or args.model, "dtype": args.dtype, "threads": args.threads,
             "quantization": args.quantization, "rounds": args.rounds, "kernels": kernels,
             "load_average": [load_before, load_after], "ours": ours, "hf": hf}, indent=2) + "\n")
     return 0

@@ -9,9 +9,10 @@ Each takes an optional sliding window per layer (HF semantics: the query at posi
 keys p - W < k <= p; 0 or None is full causal attention). Keys before a window are never read,
 so their block-table entries may name any valid block (the engine drops those blocks).
 
-rope_attention does RoPE on q and k, writes K/V into the paged cache and runs causal attention
-over each sequence's context straight from its block table (no gather, no padding; prefill
-chunks and decode rows in one batch). decoder_layer runs a whole pre-norm Llama block on the
+rope_attention does RoPE on q and k (over the first R channels of each head, R the cos/sin
+table's width: partial rotary when R < head_dim), writes K/V into the paged cache and runs
+causal attention over each sequence's context straight from its block table (no gather, no
+padding; prefill chunks and decode rows in one batch). decoder_layer runs a whole pre-norm Llama block on the
 bf16 residual stream h [T, hidden]: RMSNorm, fused-qkv projection, RoPE + cache write +
 attention, o projection + residual, RMSNorm, gate/up projection, SiLU * up, down projection +
 residual. A dense projection of up to 32 rows runs the dense GEMV, a larger one (prefill) torch's

@@ -12,7 +12,8 @@ HELP = "Write a random-weight Llama-family HF checkpoint (SmolLM2 tokenizer) for
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, help="output directory (created)")
     parser.add_argument("--preset", choices=("tiny", "small"), default="tiny")
-    parser.add_argument("--arch", choices=("llama", "qwen2", "mistral"), default="llama")
+    parser.add_argument("--arch", choices=("llama", "qwen2", "mistral", "qwen3_moe"),
+                        default="llama", help="qwen3_moe: 8 experts, top-2 (ModelSpec defaults)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-kv-heads", type=int, default=None,
                         help="override the preset's kv heads (1 = MQA)")

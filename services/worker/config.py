@@ -21,6 +21,7 @@ from services.common.units import parse_size
 from services.kv_transfer.config import KVTransferConfig
 from services.kv_transfer.config import add_arguments as add_kv_arguments
 from services.worker import parsers_config
+from services.worker.generation_defaults import GenerationConfigMode
 from services.worker.parsers_config import ParsersConfig
 from shared.config import (
     DEFAULT_MODEL,
@@ -90,6 +91,7 @@ class WorkerConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     parsers: ParsersConfig = field(default_factory=ParsersConfig)
     tls: TLSFiles = field(default_factory=TLSFiles)
+    generation_config: GenerationConfigMode = GenerationConfigMode.AUTO
 
     def __post_init__(self) -> None:
         if self.pipeline.enabled and self.role is Role.DECODE:
@@ -195,6 +197,7 @@ class WorkerConfig:
             engine_failure_drain_seconds=args.engine_failure_drain_seconds,
             degraded_hold_seconds=args.degraded_hold_seconds,
             served_model_names=tuple(args.served_model_name or ()),
+            generation_config=GenerationConfigMode(args.generation_config),
             pipeline=pipeline,
             parsers=ParsersConfig.from_args(args, environ),
             tls=tls_files,
@@ -220,6 +223,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=w.port)
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="names accepted as 'model' (default: --model); the first is reported")
+    parser.add_argument("--generation-config", default=w.generation_config.value,
+                        choices=[m.value for m in GenerationConfigMode],
+                        help="auto: the model's generation_config.json sets the defaults of "
+                             "temperature, top_p, top_k, min_p, repetition_penalty and "
+                             "max_tokens (as vLLM); vllm: ignore it")
     parser.add_argument("--api-key", action="append", default=None,
                         help=f"accepted bearer key, repeatable (default: ${API_KEY_ENV}, comma separated)")
     parser.add_argument("--max-body-size", default=str(w.max_body_size),

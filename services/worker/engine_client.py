@@ -6,6 +6,7 @@ Written as a Protocol so tests can serve a deterministic fake engine through the
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any, Protocol, cast
 
 from shared.config import EngineConfig
@@ -46,6 +47,7 @@ class EngineClient(Protocol):
     engine_id: str
     max_model_len: int
     fingerprint: str
+    model_dir: Path | None  # the resolved checkpoint directory (its generation_config.json...)
     kv_connector: AsyncKVConnector
 
     @property

@@ -20,6 +20,7 @@ from services.common.openapi import openapi_route
 from services.worker.chat_messages import parse_messages
 from services.worker.fields import Fields, invalid
 from services.worker.generation import ENGINE_FAILED
+from services.worker.generation_defaults import with_defaults
 from services.worker.leg_auth import is_trusted_leg_caller
 from services.worker.metadata import build_metadata
 from services.worker.openai_protocol import parse_chat_request, parse_completion_request
@@ -43,7 +44,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
     service = _service(request)
     with service.leg(body, trusted=is_trusted_leg_caller(request)) as leg:  # parsed first: a leg refused for any reason is let go
-        req = parse_completion_request(body)
+        req = parse_completion_request(with_defaults(body, service.sampling_defaults))
         return await service.completion(request, req, leg)
 
 
@@ -51,7 +52,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
     service = _service(request)
     with service.leg(body, trusted=is_trusted_leg_caller(request)) as leg:
-        req = parse_chat_request(body)
+        req = parse_chat_request(with_defaults(body, service.sampling_defaults))
         return await service.chat(request, req, leg)
 
 

@@ -43,6 +43,7 @@ from services.worker.generation import (
     PreparedPrompt,
     running_choices,
 )
+from services.worker.generation_defaults import model_defaults
 from services.worker.kv_params import parse_kv_transfer_params
 from services.worker.leg_auth import require_trusted_leg
 from services.worker.logprobs import LogprobFormatter
@@ -87,6 +88,7 @@ class GenerationService:
         self.prompts = PromptBuilder(engine)
         self.formatter = LogprobFormatter(engine.tokenizer)
         self.system_fingerprint = f"pdmesh-{engine.fingerprint[:16]}"
+        self.sampling_defaults = model_defaults(config.generation_config, engine.model_dir)
 
     def resolve_model(self, name: str | None) -> str:
         """The name to report; 404 (param "model", code "model_not_found") if unknown."""

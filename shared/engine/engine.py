@@ -370,4 +370,6 @@ def _accelerate(model: torch.nn.Module, config: EngineConfig) -> None:
         fused = use_native(native)
         if getattr(model, "native", None) is not None:
             log.info("kernels.dense: native paged attention; %d fused decoder layers", fused)
+        else:  # QK-norm, MoE...: layouts the fused kernels do not take
+            log.info("kernels.dense: this model's layout has no native decode path; plain torch")
 

@@ -33,11 +33,21 @@ def weight_transforms(config: EngineConfig) -> WeightTransforms:
 def kv_spec_of(model_id: str, weights_fingerprint: str, engine: EngineConfig,
                config: ModelConfig) -> ModelKVSpec:
     """The spec of a loaded model: ModelConfig carries geometry, RoPE and the attention
-    windows, the engine's configuration the dtypes and the weight transforms."""
+    windows, the engine's configuration the dtypes and the weight transforms.
+
+    Every family's sliding windows are `config.layer_windows`, hashed once as the
+    `attention_windows` factor. A family's other constants that change the KV bytes (Gemma:
+    soft-caps, the sliding layers' RoPE, the score scale; gpt-oss: the clamped SwiGLU) ride
+    in the `rope` factor as `gemma.*` / `gpt_oss.*` keys: the weights fingerprint does not
+    cover config.json, so they must be hashed here.
+    """
+    rope = dataclasses.asdict(config.rope)
+    for family in (config.gemma, config.gpt_oss):
+        if family is not None:
+            rope.update(family.as_factors())
     return ModelKVSpec(model_id=model_id, weights_fingerprint=weights_fingerprint,
                        dtype=engine.dtype, kv_dtype=engine.resolved_kv_dtype,
                        num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
-                       head_dim=config.head_dim,
-                       rope=ModelKVSpec.rope_items(dataclasses.asdict(config.rope)),
+                       head_dim=config.head_dim, rope=ModelKVSpec.rope_items(rope),
                        transforms=weight_transforms(engine),
                        attention_windows=ModelKVSpec.windows_factor(config.layer_windows))

@@ -121,9 +121,10 @@ class AttentionMetadata:
     def attn_mask(self, window: int | None) -> torch.Tensor:
         """The padded views' mask [B, 1, Qmax, Lmax], narrowed to a sliding window of
         `window` keys (HF: query p attends to keys k with p - window < k <= p); cached per
-        window, so the layers sharing one window build it once per step."""
+        window, so the layers sharing one window build it once per step. When no context
+        exceeds the window the causal mask alone is exact, and is returned as is."""
         views = self.padded
-        if window is None:
+        if window is None or views.gather_slots.shape[1] <= window:  # Lmax = max context
             return views.attn_mask
         masks = self._window_masks
         if window not in masks:
@@ -147,9 +148,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [H] float32
 ) -> torch.Tensor:  # [T, H, D]
     """Write the new K/V into the cache, then attend over each sequence's context: all of it,
-    or its last `window` positions up to each query (a sliding-window layer)."""
+    or its last `window` positions up to each query (a sliding-window layer, masked by
+    `meta.attn_mask`); `softcap` bounds the scores to (-cap, cap) with tanh before the softmax
+    (Gemma 2); `sinks` are one learnt logit per head that joins every softmax's denominator
+    but attends to no value (gpt-oss's attention sinks)."""
     kvh, d = k.shape[1], k.shape[2]
     views = meta.padded
     k_flat = kv_layer[0].view(-1, kvh, d)  # [num_slots, KVH, D]
@@ -161,8 +167,29 @@ def paged_attention(
     keys = k_flat[views.gather_slots].float().transpose(1, 2)  # [B, KVH, Lmax, D]
     values = v_flat[views.gather_slots].float().transpose(1, 2)
     queries = q[views.query_index].float().transpose(1, 2)  # [B, H, Qmax, D]
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=meta.attn_mask(window), scale=scale,
-        enable_gqa=queries.shape[1] != keys.shape[1],
-    )  # [B, H, Qmax, D]
+    mask = meta.attn_mask(window)
+    if softcap is None and sinks is None:
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, scale=scale,
+            enable_gqa=queries.shape[1] != keys.shape[1],
+        )  # [B, H, Qmax, D]
+    else:  # SDPA has neither: the scores are materialised, [B, H, Qmax, Lmax]
+        out = _materialised(queries, keys, values, mask, scale, softcap, sinks)
     return out.transpose(1, 2)[views.query_valid].to(q.dtype)  # [T, H, D]
+
+
+def _materialised(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  mask: torch.Tensor, scale: float, softcap: float | None,
+                  sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention with soft-capped scores and/or sink logits, fp32 [B, H, Qmax, D]."""
+    groups = queries.shape[1] // keys.shape[1]
+    keys, values = (t.repeat_interleave(groups, dim=1) for t in (keys, values))
+    scores = queries @ keys.transpose(-1, -2) * scale  # [B, H, Qmax, Lmax]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return scores.softmax(dim=-1) @ values
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]  # the sink takes mass
+    return probs @ values

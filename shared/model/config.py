@@ -12,6 +12,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from shared.model.gemma_config import (
+    GEMMA_DEFAULTS,
+    GEMMA_TYPES,
+    GemmaSpec,
+    default_layer_types,
+    gemma_from_hf,
+)
+from shared.model.gpt_oss_config import (
+    GPT_OSS_DEFAULTS,
+    GPT_OSS_TYPE,
+    GptOssSpec,
+    gpt_oss_from_hf,
+    with_default_rope,
+)
+from shared.model.gpt_oss_config import default_layer_types as gpt_oss_layer_types
+from shared.model.moe import MoeConfig
 from shared.model.rope import RopeConfig
 
 # architecture -> HF model_type, and back.
@@ -21,6 +37,10 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # fused qkv_proj/gate_up_proj load as-is; longrope in rope.py
+    "Gemma2ForCausalLM": "gemma2",  # shared.model.gemma
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 attention, routed experts (moe.py)
+    "GptOssForCausalLM": "gpt_oss",  # shared.model.gpt_oss
 }
 _BY_MODEL_TYPE = {v: k for k, v in ARCHITECTURES.items()}
 
@@ -36,6 +56,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
               "num_key_value_heads": 32, "sliding_window": 4096, "head_dim": 128},
     "phi3": {"max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 32000,
              "rms_norm_eps": 1e-5, "sliding_window": None},
+    **GEMMA_DEFAULTS,
+    GPT_OSS_TYPE: GPT_OSS_DEFAULTS,
+    "qwen3_moe": {"max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
+                  "num_key_value_heads": 4, "sliding_window": 4096},
 }
 _COMMON_DEFAULTS: dict[str, Any] = {
     "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
@@ -52,7 +76,12 @@ _TEXT_KEYS = _REQUIRED + (
     "rope_parameters", "original_max_position_embeddings", "max_position_embeddings",
     "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "bos_token_id",
     "eos_token_id", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
-    "partial_rotary_factor", "torch_dtype", "dtype",
+    "partial_rotary_factor", "torch_dtype", "dtype", "hidden_activation",
+    "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+    "rope_local_base_freq", "sliding_window_pattern", "use_bidirectional_attention",
+    "partial_rotary_factor", "torch_dtype", "dtype", "num_experts", "num_local_experts",
+    "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "mlp_only_layers", "swiglu_alpha", "swiglu_limit",
 )
 
 
@@ -67,8 +96,9 @@ class ModelConfig:
     `eos_token_ids` is always a tuple (HF allows an int or a list). `torch_dtype` is the
     checkpoint's declared storage dtype, informational only. `layer_windows` holds each
     layer's sliding window W (HF semantics: a query at position p attends to keys at
-    positions p - W < k <= p) or None for full causal attention; empty means every layer is
-    full.
+    positions p - W < k <= p) or None for full causal attention, for every family (Gemma and
+    gpt-oss included); empty means every layer is full. `moe` (Qwen3-MoE) is the expert
+    layout of the sparse layers (shared.model.moe); None for dense models.
     """
 
     architecture: str
@@ -90,6 +120,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
     layer_windows: tuple[int | None, ...] = ()
+    gemma: GemmaSpec | None = None  # Gemma 2 / 3 only: soft-caps, scale, local RoPE
+    moe: MoeConfig | None = None
+    gpt_oss: GptOssSpec | None = None  # gpt-oss only: experts and their clamped SwiGLU
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -108,11 +141,11 @@ class ModelConfig:
                              f"{self.num_layers} layers")
         if any(w is not None and w < 1 for w in self.layer_windows):
             raise ValueError(f"sliding windows must be >= 1, got {self.layer_windows}")
-        if self.rope.partial_rotary_factor != 1.0:
-            # The native RoPE/attention kernels rotate the whole head; refuse rather than
-            # serve a half-rotated model.
-            raise ValueError(f"partial_rotary_factor={self.rope.partial_rotary_factor} is not "
-                             "supported by this decoder yet")
+        if self.rope.partial_rotary_factor != 1.0 and self.model_type != "phi3":
+            # Of the HF classes we mirror only Phi3's attention rotates a head prefix; the
+            # others would rotate the whole head with a shorter table (or not at all).
+            raise ValueError(f"partial_rotary_factor={self.rope.partial_rotary_factor} is only "
+                             f"supported for Phi3, not {self.architecture}")
 
     @property
     def model_type(self) -> str:
@@ -152,14 +185,22 @@ class ModelConfig:
         # except for keys where null can only mean "the default".
         cfg = {**_COMMON_DEFAULTS, **_DEFAULTS[model_type],
                **{k: v for k, v in cfg.items() if v is not None or k not in _NULL_IS_DEFAULT}}
-        if cfg["hidden_act"] != "silu":
+        gemma = model_type in GEMMA_TYPES
+        if cfg["hidden_act"] != "silu" and not gemma:  # Gemma reads hidden_activation
             raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
         if cfg["mlp_bias"]:
             raise ValueError("mlp_bias=true is not supported")
         heads = int(cfg["num_attention_heads"])
         max_pos = int(cfg["max_position_embeddings"])
+        spec, rope, oss = None, None, None
+        if gemma:
+            spec, rope = gemma_from_hf(model_type, cfg, max_pos)
+        elif model_type == GPT_OSS_TYPE:
+            cfg = with_default_rope(cfg)
+            oss = gpt_oss_from_hf(cfg)
         windows = _layer_windows(model_type, cfg, max_pos)
-        own_bias = model_type in ("llama", "qwen3") and bool(cfg["attention_bias"])
+        own_bias = (model_type in ("llama", "qwen3", "qwen3_moe", GPT_OSS_TYPE, *GEMMA_TYPES)
+                    and bool(cfg["attention_bias"]))
         return ModelConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -170,16 +211,19 @@ class ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg["head_dim"] or int(cfg["hidden_size"]) // heads),
             rms_norm_eps=float(cfg["rms_norm_eps"]),
-            rope=RopeConfig.from_hf(cfg, max_pos),
+            rope=rope or RopeConfig.from_hf(cfg, max_pos),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
             attention_bias=model_type == "qwen2" or own_bias,
             attention_out_bias=own_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             bos_token_id=None if cfg["bos_token_id"] is None else int(cfg["bos_token_id"]),
             eos_token_ids=_token_ids(cfg["eos_token_id"]),
             torch_dtype=_dtype_name(cfg.get("torch_dtype") or cfg.get("dtype")),
             layer_windows=windows,
+            gemma=spec,
+            moe=MoeConfig.from_hf(cfg) if model_type == "qwen3_moe" else None,
+            gpt_oss=oss,
         )
 
 
@@ -222,31 +266,26 @@ def _architecture(architectures: Any, model_type: Any) -> str:
 
 def _layer_windows(model_type: str, cfg: Mapping[str, Any], max_pos: int
                    ) -> tuple[int | None, ...]:
-    """Each layer's sliding window, as HF transformers applies the config's keys.
+    """Each layer's sliding window, as HF transformers applies the config's keys (the one
+    place any family's windows come from).
 
-    Mistral and Phi-3 slide every layer by `sliding_window` (their HF models ignore
-    `layer_types`). Qwen2 and Qwen3 honour `sliding_window` only with `use_sliding_window`,
-    on the layers `layer_types` marks "sliding_attention", which default to the layers at or
-    past `max_window_layers`. Llama has no sliding-window attention in HF: a window shorter
-    than the context there is refused rather than guessed at. Empty when no layer slides.
+    Mistral, Phi-3 and Qwen3-MoE slide every layer by `sliding_window` (their HF models ignore
+    `layer_types`); Qwen2, Qwen3 and Qwen3-MoE honour `sliding_window` only with
+    `use_sliding_window`. Qwen2/3, Gemma 2/3 and gpt-oss slide the layers `layer_types` marks
+    "sliding_attention", by default (`_layer_types`) the Qwen layers at or past
+    `max_window_layers` and the families' own patterns. Llama has no sliding-window attention
+    in HF: a window shorter than the context there is refused rather than guessed at. Empty
+    when no layer slides.
     """
-    layers = int(cfg["num_hidden_layers"])
     window = cfg.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
         window = None  # HF: sliding_window = sliding_window if use_sliding_window else None
-    types = list(cfg.get("layer_types") or [])
-    if types and len(types) != layers:
-        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
-    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
-    if unknown:
-        raise ValueError(f"layer_types {unknown} are not supported "
-                         "(only full_attention and sliding_attention)")
-    if model_type in ("mistral", "phi3"):
-        types = ["sliding_attention"] * layers
-    elif model_type in ("qwen2", "qwen3") and not types:
-        start = int(cfg.get("max_window_layers", 28))
-        types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
-    if window is None or "sliding_attention" not in types:
+    types = _layer_types(model_type, cfg, int(cfg["num_hidden_layers"]))
+    if "sliding_attention" not in types:
+        return ()
+    if window is None and model_type in (*GEMMA_TYPES, GPT_OSS_TYPE):
+        raise ValueError("sliding_window must be >= 1 for sliding layers, got None")
+    if window is None:
         return ()
     if int(window) < 1:
         raise ValueError(f"sliding_window must be >= 1, got {window}")
@@ -258,6 +297,30 @@ def _layer_windows(model_type: str, cfg: Mapping[str, Any], max_pos: int
     if model_type == "llama":
         return ()
     return tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+
+def _layer_types(model_type: str, cfg: Mapping[str, Any], layers: int) -> list[str]:
+    """Each layer's attention type, "sliding_attention" or "full_attention", as the family's
+    HF model reads it: `layer_types` if given (checked), else the family's default."""
+    types = list(cfg.get("layer_types") or [])
+    if types and len(types) != layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported "
+                         "(only full_attention and sliding_attention)")
+    if model_type in ("mistral", "phi3", "qwen3_moe"):
+        return ["sliding_attention"] * layers
+    if types:
+        return types
+    if model_type in ("qwen2", "qwen3"):
+        start = int(cfg.get("max_window_layers", 28))
+        return ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+    if model_type in GEMMA_TYPES:
+        return default_layer_types(model_type, layers, cfg)
+    if model_type == GPT_OSS_TYPE:
+        return gpt_oss_layer_types(layers)
+    return types
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""One-time conversion of a GGUF file (llama, qwen2, qwen3) into a Hugging Face-format directory.
+"""One-time conversion of a GGUF file (llama, qwen2, qwen3, phi3, gemma2/3) into an HF directory.
 
 The output directory holds config.json (see `shared.model.gguf_arch` for the per-architecture
 mapping), float32 safetensors (every tensor dequantised once with `gguf.quants.dequantize`;
@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shared.model.gguf_arch import (
+    GEMMA_ARCHS,
     PERMUTED_QK,
+    ROPE_FACTOR_TENSORS,
     WEIGHTS_DTYPE,
     build_config,
     check_shapes,
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
 __all__ = ["CONVERTER_VERSION", "MARKER_FILE", "WEIGHTS_FILE", "build_config", "convert_gguf",
            "hf_tensor_name", "inspect_gguf", "is_converted", "read_marker", "unpermute_rope_rows"]
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 1  # phi3 added without a bump: llama/qwen2/qwen3 output is unchanged
 MARKER_FILE = "pdmesh-import.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -75,6 +77,8 @@ def _dequantised(t: ReaderTensor, name: str, arch: str, config: dict[str, Any]) 
 
     # dequantize returns numpy order [rows, cols] = HF [out_features, in_features].
     w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    if arch in GEMMA_ARCHS and name.endswith("norm.weight"):
+        w = w - np.float32(1.0)  # llama.cpp stores Gemma's (1 + weight); HF stores the weight
     if arch in PERMUTED_QK:
         if name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rope_rows(w, config["num_attention_heads"])
@@ -103,17 +107,18 @@ def _write_weights(reader: GGUFReader, dest: Path, config: dict[str, Any],
     from safetensors.numpy import save_file
     from tqdm import tqdm
 
-    arch = config["model_type"]
-    plan = _shard_plan(list(reader.tensors))
+    arch = gguf_architecture(reader)  # the GGUF name (gemma3, not gemma3_text)
+    weights = [t for t in reader.tensors if t.name not in ROPE_FACTOR_TENSORS]  # in config.json
+    plan = _shard_plan(weights)
     weight_map: dict[str, str] = {}
-    bar = tqdm(total=len(reader.tensors), desc="pdmesh: importing GGUF", unit="tensor",
+    bar = tqdm(total=len(weights), desc="pdmesh: importing GGUF", unit="tensor",
                disable=not progress)
     for i, shard in enumerate(plan):
         file = (WEIGHTS_FILE if len(plan) == 1
                 else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors")
         out: dict[str, np.ndarray] = {}
         for t in shard:
-            name = hf_tensor_name(t.name)
+            name = hf_tensor_name(t.name, arch)
             out[name] = _dequantised(t, name, arch, config)
             weight_map[name] = file
             bar.update()
@@ -121,7 +126,7 @@ def _write_weights(reader: GGUFReader, dest: Path, config: dict[str, Any],
         os.chmod(dest / file, 0o644)  # safetensors creates it 0600; the cache may be shared
     bar.close()
     if len(plan) > 1:
-        total = sum(4 * int(np.prod([int(d) for d in t.shape])) for t in reader.tensors)
+        total = sum(4 * int(np.prod([int(d) for d in t.shape])) for t in weights)
         _write_json(dest / INDEX_FILE, {"metadata": {"total_size": total},
                                         "weight_map": weight_map})
 

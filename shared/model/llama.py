@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Qwen2, Mistral, Qwen3) in plain torch, over the paged KV cache.
+"""The Llama-family decoder (Llama, Qwen2, Mistral, Qwen3, Phi-3, Qwen3-MoE) in plain torch, over
+the paged KV cache. A Qwen3-MoE layer swaps its MLP for shared.model.moe's SparseMoeBlock.
 
 Hot-path shape conventions: T = number of new tokens in the batch (all sequences packed,
 sequence-major), H / KVH = query / kv heads, D = head_dim. q, k and v come out of one fused
@@ -29,6 +30,7 @@ from kernels.dense.layer import (
 from kernels.mxfp4.backend import FUSED_MAX_ROWS
 from shared.model.attention import AttentionMetadata, paged_attention
 from shared.model.config import ModelConfig
+from shared.model.moe import SparseMoeBlock, hf_expert_params
 from shared.model.quant import (
     PACKED_SUFFIXES,
     MXFP4Linear,
@@ -90,12 +92,11 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Fused-qkv self-attention with RoPE, reading and writing one layer of the paged cache.
     With config.qk_norm (Qwen3), each query and key head is RMS-normalised before RoPE.
-    `window` is this layer's sliding window (None: full causal attention)."""
+    `layer` (global index) picks the sliding window, config.window(layer), in every family."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, window: int | None = None
-                 ) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer: int) -> None:
         super().__init__()
-        self.window = window
+        self.window = config.window(layer)  # sliding window of this layer, or None
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.qk_size = config.q_size + config.kv_size
@@ -109,9 +110,21 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        # Family variants (shared.model.gemma, gpt_oss) set these on the plain path.
+        self.softcap: float | None = None  # tanh cap on the scores
+        self.sinks: nn.Parameter | None = None  # [H] sink logits
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        out = paged_attention(q, k, v, kv_layer, meta, self.scale,
+                              window=self.window, softcap=self.softcap,
+                              sinks=self.sinks)  # [T, H, D]
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, H, D], k and v [T, KVH, D]: QK-norm'd and rotated."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
         qk = qkv[:, : self.qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -120,10 +133,8 @@ class Attention(nn.Module):
                             self.k_norm(qk[:, self.num_heads:])), dim=1)
         # Rotate q and k together: one RoPE application over H + KVH heads.
         qk = RotaryEmbedding.apply(qk, cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_layer, meta, self.scale, self.window)  # [T, H, D]
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return qk[:, : self.num_heads], qk[:, self.num_heads:], v
 
     def forward_native(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_layer: torch.Tensor,
                        tables: StepTables, native: NativeDecoder, g: LayerGeometry
@@ -149,15 +160,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). `layer` is the global index:
+    it picks the dense MLP or, on a sparse layer of an MoE model, the routed experts."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, window: int | None = None
-                 ) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype, window)
+        self.self_attn = Attention(config, dtype, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype)
+        self.mlp: MLP | SparseMoeBlock = (
+            SparseMoeBlock(config.moe, config.hidden_size, dtype)
+            if config.moe is not None and config.moe.is_sparse(layer) else MLP(config, dtype))
         self.fused: LayerWeights | None = None  # set by LlamaForCausalLM.use_native
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -177,6 +190,7 @@ class DecoderLayer(nn.Module):
                                  self.self_attn.window)
             return x
         attn, mlp = self.self_attn, self.mlp
+        assert isinstance(mlp, MLP), "use_native keeps MoE models on plain torch"
         xn = native.rms_norm(x, self.input_layernorm.weight, g.rms_norm_eps)
         xn = native.add_rms_norm(x, attn.forward_native(xn, cos_sin, kv_layer, tables, native, g),
                                  self.post_attention_layernorm.weight, g.rms_norm_eps)
@@ -188,6 +202,8 @@ class DecoderLayer(nn.Module):
         dense bf16 nor MXFP4 on the full library's code path mxfp4_path (the one the fused
         block calls), or the model is not bf16."""
         attn, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, MLP):  # routed experts: no fused kernel
+            return None
         qkv, o, gate_up, down = (_projection(m, mxfp4_path)
                                  for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                            mlp.down_proj))
@@ -249,9 +265,8 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):
             self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
                                  if self.is_first else None)
-            self.layers = nn.ModuleList(DecoderLayer(config, dtype, config.window(i))
-                                        for i in range(start, end))
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last else None
+            self.layers = nn.ModuleList(self.make_layer(config, dtype, i) for i in range(start, end))
+            self.norm = self.make_norm(config, dtype) if self.is_last else None
             self.lm_head = (nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
                             if self.is_last else None)
         if quantization is not None:
@@ -270,6 +285,26 @@ class LlamaForCausalLM(nn.Module):
         self._stack_packed = False  # some fused layer is MXFP4 (see fuses)
         self.requires_grad_(False)
 
+    @staticmethod
+    def make_layer(config: ModelConfig, dtype: torch.dtype, index: int) -> nn.Module:
+        """Decoder layer `index` (global); a family variant overrides it (shared.model.gemma)."""
+        return DecoderLayer(config, dtype, index)
+
+    @staticmethod
+    def make_norm(config: ModelConfig, dtype: torch.dtype) -> RMSNorm:
+        """The final norm; a family variant overrides it."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def layer_params(self) -> dict[str, tuple[str, int | None]]:
+        """HF per-layer tensor name -> (our parameter, fused slice or None) for this
+        architecture (dense and sparse layers alike: _weight_map keeps the names a layer
+        has); a family variant extends it."""
+        if self.config.model_type == "phi3":
+            return _PHI3_PARAMS
+        if self.config.moe is not None:
+            return {**_LAYER_PARAMS, **hf_expert_params(self.config.moe.num_experts)}
+        return _LAYER_PARAMS
+
     def use_native(self, native: NativeDecoder) -> int:
         """Route forward through native's kernels (kernels.dense.layer) from now on: paged
         attention reads block tables directly, and layers whose linears are dense bf16 or
@@ -278,11 +313,14 @@ class LlamaForCausalLM(nn.Module):
 
         Only for bf16 models over a bf16 KV cache (forward checks the cache each step and
         runs the plain-torch path otherwise, which stays the oracle). A head layout the kernels
-        do not take, or QK-norm (Qwen3), leaves the model on plain torch (returns 0).
+        do not take, QK-norm (Qwen3) or routed experts (Qwen3-MoE) leaves the model on plain
+        torch (returns 0). Partial rotary (Phi-4-mini) runs natively: the kernels rotate as
+        many channels per head as the cos/sin table is wide.
         """
         if self.dtype != torch.bfloat16:
             raise ValueError(f"native decode kernels need a bf16 model, not {self.dtype}")
-        if not native.supports(self.geometry) or self.config.qk_norm:  # no QK-norm kernel yet
+        moe = self.config.moe is not None  # routed experts have no native block either
+        if not native.supports(self.geometry) or self.config.qk_norm or moe:
             return 0
         self.native = native
         for layer in self._decoder_layers:
@@ -390,7 +428,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 out.setdefault(hf_name, []).append((target, part))
 
-        params = _PHI3_PARAMS if self.config.model_type == "phi3" else _LAYER_PARAMS
+        params = self._layer_params
         for local, layer in enumerate(range(self.start, self.end)):
             for suffix, (param, part) in params.items():
                 if f"layers.{local}.{param}" in targets:
@@ -407,6 +445,10 @@ class LlamaForCausalLM(nn.Module):
         return out
 
     @functools.cached_property
+    def _layer_params(self) -> dict[str, tuple[str, int | None]]:
+        return self.layer_params()
+
+    @functools.cached_property
     def _quantized_weights(self) -> frozenset[str]:
         """`X.weight` for every MXFP4Linear X (weights that are not Parameters)."""
         return frozenset(f"{name}.weight" for name, module in self.named_modules()
@@ -419,7 +461,7 @@ class LlamaForCausalLM(nn.Module):
                                             "lm_head.weight"):
             return True
         m = _LAYER_NAME.fullmatch(name)
-        return (m is not None and m.group(2) in _LAYER_PARAMS
+        return (m is not None and m.group(2) in self._layer_params
                 and not self.start <= int(m.group(1)) < self.end
                 and int(m.group(1)) < self.config.num_layers)
 
@@ -428,8 +470,9 @@ class LlamaForCausalLM(nn.Module):
         sizes: tuple[int, ...]
         if "qkv_proj" in param_name:
             sizes = (c.q_size, c.kv_size, c.kv_size)
-        else:
-            sizes = (c.intermediate_size, c.intermediate_size)
+        else:  # gate_up_proj [2 I, hidden]: the dense MLP's I, or an expert's
+            half = _out_features(self.get_submodule(param_name.rpartition(".")[0])) // 2
+            sizes = (half, half)
         lo = sum(sizes[:part])
         return lo, lo + sizes[part]
 
@@ -449,6 +492,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, "
                              f"expected {tuple(dest.shape)}")
         dest.copy_(src)
+
+
+def _out_features(linear: nn.Module) -> int:
+    """Rows of a linear's weight, whether nn.Linear, DenseLinear or MXFP4Linear."""
+    out = getattr(linear, "out_features", None)
+    assert isinstance(out, int), f"{type(linear).__name__} has no out_features"
+    return out
 
 
 def _canonical(name: str) -> str:

@@ -20,6 +20,8 @@ import torch
 from safetensors import safe_open
 
 from shared.model.config import ModelConfig
+from shared.model.gemma import GemmaForCausalLM
+from shared.model.gpt_oss import GptOssForCausalLM
 from shared.model.llama import LlamaForCausalLM
 from shared.model.quant import QuantConfig, resolve_quantization
 
@@ -138,6 +140,15 @@ def checkpoint_quantization(ckpt: Checkpoint, requested: QuantConfig | str | Non
     return resolve_quantization(requested, hf_quant, stored_tensor_names(ckpt.weight_files))
 
 
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The decoder class for a config: Llama's, or a family variant built on it."""
+    if config.gemma is not None:
+        return GemmaForCausalLM
+    if config.gpt_oss is not None:
+        return GptOssForCausalLM
+    return LlamaForCausalLM
+
+
 def load_model(model_dir: Path, dtype: torch.dtype | str,
                layer_range: tuple[int, int] | None = None,
                quantization: QuantConfig | str | None = None,
@@ -149,8 +160,8 @@ def load_model(model_dir: Path, dtype: torch.dtype | str,
     """
     ckpt = open_checkpoint(Path(model_dir))
     quant = checkpoint_quantization(ckpt, quantization)
-    model = LlamaForCausalLM(ckpt.config, layer_range, dtype=resolve_dtype(dtype),
-                             quantization=quant)
+    model = model_class(ckpt.config)(ckpt.config, layer_range, dtype=resolve_dtype(dtype),
+                                     quantization=quant)
     model.load_weights(iter_weights(ckpt.weight_files, keep=model.wants_weight))
     model.eval()
     return model, ckpt.config

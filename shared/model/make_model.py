@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from shared.model.config import ARCHITECTURES
 
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
+GEMMA_WINDOW = 8  # gemma2 / gemma3_text: layer 0 slides by this, layer 1 attends fully
 BOS_TOKEN_ID, EOS_TOKEN_ID = 1, 2  # <|im_start|>, <|im_end|> in SmolLM2
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json")
@@ -29,6 +30,9 @@ PRESETS: dict[str, dict[str, int]] = {
              "num_key_value_heads": 2, "intermediate_size": 128},
     "small": {"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
               "num_key_value_heads": 2, "intermediate_size": 256},
+    # Benchmarks (benchmarks/engine.py --moe): big enough that weights, not overheads, dominate.
+    "medium": {"num_hidden_layers": 8, "hidden_size": 512, "num_attention_heads": 8,
+               "num_key_value_heads": 4, "intermediate_size": 1536},
 }
 _ARCH_BY_NAME = {model_type: arch for arch, model_type in ARCHITECTURES.items()}
 
@@ -43,9 +47,10 @@ class ModelSpec:
     embedding / LM-head rows (None: the tokenizer's 49152); more rows than tokens is the
     padded-vocab layout (Qwen2.5: 151,936 rows for 151,665 tokens). padding_head_scale
     multiplies the untied LM head's rows past the tokenizer, so that a greedy model emits
-    ids the tokenizer cannot spell (tests of that case). sliding_window gives mistral and
-    phi3 a window on every layer, and qwen2 / qwen3 one on the layers at or past
-    max_window_layers (use_sliding_window set); llama has none.
+    ids the tokenizer cannot spell (tests of that case). sliding_window gives mistral, phi3
+    and qwen3_moe a window on every layer, and qwen2 / qwen3 one on the layers at or past
+    max_window_layers (use_sliding_window set); llama has none. Gemma always slides layer 0
+    (and every other layer), by sliding_window or GEMMA_WINDOW.
     """
 
     arch: str = "llama"
@@ -65,8 +70,17 @@ class ModelSpec:
     dtype: str = "float32"
     vocab_size: int | None = None
     padding_head_scale: float = 1.0
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # None: no window (gemma: GEMMA_WINDOW)
     max_window_layers: int = 0
+    rope_local_theta: float = 1000.0  # gemma3_text's sliding layers (rope_local_base_freq)
+    partial_rotary_factor: float = 1.0  # phi3 only (Phi-4-mini: 0.75)
+    # qwen3_moe only: the expert layout (shared.model.moe.MoeConfig), HF key names.
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.arch not in _ARCH_BY_NAME:
@@ -79,6 +93,8 @@ class ModelSpec:
             raise ValueError(f"rope_keys must be legacy or v5, got {self.rope_keys!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.partial_rotary_factor != 1.0 and self.arch != "phi3":
+            raise ValueError("partial_rotary_factor is a phi3 setting")
         if self.num_shards < 1:
             raise ValueError("num_shards must be >= 1")
         if self.sliding_window is not None and (self.arch == "llama" or self.sliding_window < 1):
@@ -117,15 +133,25 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     }
     if spec.arch == "llama":
         cfg.update(attention_bias=spec.attention_bias, mlp_bias=False)
-    if spec.arch == "qwen3":
+    if spec.arch in ("qwen3", "qwen3_moe"):
         cfg.update(attention_bias=spec.attention_bias)
-    if spec.arch in ("qwen2", "mistral", "qwen3"):
+    if spec.arch == "qwen3_moe":
+        cfg.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                   moe_intermediate_size=spec.moe_intermediate_size,
+                   norm_topk_prob=spec.norm_topk_prob,
+                   decoder_sparse_step=spec.decoder_sparse_step,
+                   mlp_only_layers=list(spec.mlp_only_layers))
+    if spec.partial_rotary_factor != 1.0:
+        cfg["partial_rotary_factor"] = spec.partial_rotary_factor
+    if spec.arch in ("qwen2", "mistral", "qwen3", "qwen3_moe"):
         cfg.update(sliding_window=spec.sliding_window,
                    use_sliding_window=spec.sliding_window is not None)
     if spec.arch in ("qwen2", "qwen3"):
         cfg.update(max_window_layers=spec.max_window_layers)
     if spec.arch == "phi3":
         cfg.update(sliding_window=spec.sliding_window)
+    if spec.arch in ("gemma2", "gemma3_text"):
+        _gemma_keys(spec, cfg)
     scaling = _rope_scaling(spec)
     if spec.rope_keys == "legacy":
         cfg["rope_theta"] = spec.rope_theta
@@ -133,7 +159,26 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     else:
         cfg["rope_parameters"] = {"rope_theta": spec.rope_theta, "rope_type": "default",
                                   **(scaling or {})}
+    if spec.arch == "gemma3_text" and spec.rope_keys == "v5":  # one block per layer type
+        cfg["rope_parameters"] = {
+            "full_attention": cfg["rope_parameters"],
+            "sliding_attention": {"rope_type": "default", "rope_theta": spec.rope_local_theta}}
     return cfg
+
+
+def _gemma_keys(spec: ModelSpec, cfg: dict[str, Any]) -> None:
+    """Gemma's own keys. Soft-caps (Gemma 2) small enough that tanh bends random scores; a
+    query scale that is not head_dim ** -0.5; every layer kind present in two layers."""
+    del cfg["hidden_act"]
+    layers = cfg["num_hidden_layers"]
+    cfg.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg["head_dim"] // 2,
+               sliding_window=spec.sliding_window or GEMMA_WINDOW, attention_bias=False,
+               layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                            for i in range(layers)])
+    if spec.arch == "gemma2":
+        cfg.update(attn_logit_softcapping=10.0, final_logit_softcapping=15.0)
+    elif spec.rope_keys == "legacy":
+        cfg["rope_local_base_freq"] = spec.rope_local_theta
 
 
 def _rope_scaling(spec: ModelSpec) -> dict[str, Any] | None:
@@ -160,26 +205,40 @@ def random_weights(spec: ModelSpec, cfg: dict[str, Any]) -> dict[str, torch.Tens
         return normal(out_f, in_f, std=in_f ** -0.5)
 
     rows = spec.rows
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(rows, hidden, std=1.0)}
-    qkv_bias = spec.arch == "qwen2" or (spec.arch in ("llama", "qwen3") and spec.attention_bias)
+    gemma = spec.arch in ("gemma2", "gemma3_text")
+    # Gemma scales embeddings by sqrt(hidden) and its norms by (1 + w): keep both O(1).
+    w: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": normal(rows, hidden, std=hidden ** -0.5 if gemma else 1.0)}
+    norm_one = 0.0 if gemma else 1.0
+    own_bias = spec.arch in ("llama", "qwen3", "qwen3_moe") and spec.attention_bias
+    qkv_bias = spec.arch == "qwen2" or own_bias
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = 1.0 + normal(hidden, std=0.1)
-        w[p + "post_attention_layernorm.weight"] = 1.0 + normal(hidden, std=0.1)
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if gemma:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        for norm in norms:
+            w[p + f"{norm}.weight"] = norm_one + normal(hidden, std=0.1)
         for name, size in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             w[p + f"self_attn.{name}.weight"] = proj(size, hidden)
             if qkv_bias:
                 w[p + f"self_attn.{name}.bias"] = normal(size, std=0.5)
-        if spec.arch == "qwen3":
+        if spec.arch in ("qwen3", "qwen3_moe", "gemma3_text"):
             for name in ("q_norm", "k_norm"):
-                w[p + f"self_attn.{name}.weight"] = 1.0 + normal(cfg["head_dim"], std=0.1)
+                w[p + f"self_attn.{name}.weight"] = norm_one + normal(cfg["head_dim"], std=0.1)
         w[p + "self_attn.o_proj.weight"] = proj(hidden, q)
-        if spec.arch in ("llama", "qwen3") and spec.attention_bias:
+        if own_bias:
             w[p + "self_attn.o_proj.bias"] = normal(hidden, std=0.1)
-        w[p + "mlp.gate_proj.weight"] = proj(inter, hidden)
-        w[p + "mlp.up_proj.weight"] = proj(inter, hidden)
-        w[p + "mlp.down_proj.weight"] = proj(hidden, inter)
-    w["model.norm.weight"] = 1.0 + normal(hidden, std=0.1)
+        sparse = spec.arch == "qwen3_moe" and _is_sparse(spec, i)
+        mlps = ([(f"mlp.experts.{e}.", spec.moe_intermediate_size)
+                 for e in range(spec.num_experts)] if sparse else [("mlp.", inter)])
+        for prefix, width in mlps:
+            w[p + prefix + "gate_proj.weight"] = proj(width, hidden)
+            w[p + prefix + "up_proj.weight"] = proj(width, hidden)
+            w[p + prefix + "down_proj.weight"] = proj(hidden, width)
+        if sparse:  # router logits of std ~2: routing varies from token to token
+            w[p + "mlp.gate.weight"] = normal(spec.num_experts, hidden, std=2 * hidden ** -0.5)
+    w["model.norm.weight"] = norm_one + normal(hidden, std=0.1)
     if spec.arch == "phi3":
         _fuse_phi3(w, cfg["num_hidden_layers"])
     if not cfg["tie_word_embeddings"]:
@@ -187,6 +246,11 @@ def random_weights(spec: ModelSpec, cfg: dict[str, Any]) -> dict[str, torch.Tens
         w["lm_head.weight"][VOCAB_SIZE:] *= spec.padding_head_scale
     dtype = torch.float32 if spec.dtype == "float32" else torch.bfloat16
     return {k: v.to(dtype).contiguous() for k, v in w.items()}
+
+
+def _is_sparse(spec: ModelSpec, layer: int) -> bool:
+    """HF Qwen3MoeDecoderLayer's rule (shared.model.moe.MoeConfig.is_sparse)."""
+    return layer not in spec.mlp_only_layers and (layer + 1) % spec.decoder_sparse_step == 0
 
 
 def _fuse_phi3(w: dict[str, torch.Tensor], layers: int) -> None:

@@ -16,6 +16,7 @@ dense under `model.embed_tokens.weight` and the packed head is stored beside it)
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -65,6 +66,15 @@ class QuantConfig:
     prequantized: bool = False
     backend: str | None = None
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES
+    # HF module-name patterns left dense (a checkpoint's `modules_to_not_convert`, e.g.
+    # gpt-oss's "model.layers.*.self_attn"): a match of the module or one of its parents.
+    keep: tuple[str, ...] = ()
+
+    def keeps(self, module_name: str) -> bool:
+        """Whether our module `module_name` (e.g. "layers.0.self_attn.qkv_proj") stays dense."""
+        hf = module_name if module_name.startswith("lm_head") else "model." + module_name
+        return any(fnmatch.fnmatchcase(hf, p) or fnmatch.fnmatchcase(hf, p + ".*")
+                   for p in self.keep)
 
     @property
     def lm_head(self) -> bool:
@@ -108,7 +118,9 @@ def resolve_quantization(requested: QuantConfig | str | None, hf_config: Mapping
         raise ValueError(f"the checkpoint stores a {'quantised' if stored_head else 'dense'} LM "
                          f"head; quantize_lm_head={quant.quantize_lm_head} needs a re-quantised "
                          "checkpoint")
-    return replace(quant or QuantConfig(), prequantized=True, quantize_lm_head=stored_head)
+    keep = tuple(str(p) for p in hf_config.get("modules_to_not_convert") or ())
+    return replace(quant or QuantConfig(), prequantized=True, quantize_lm_head=stored_head,
+                   keep=keep)
 
 
 # Tiers whose prefill GEMM stays in bf16: the oracle, and CPUs with bf16 dot products.
@@ -256,6 +268,8 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, lm_head_name: str = "
         for child_name, child in list(parent.named_children()):
             full = f"{name}.{child_name}" if name else child_name
             if type(child) is not nn.Linear or (full == lm_head_name and not quant.lm_head):
+                continue
+            if full != lm_head_name and quant.keeps(full):
                 continue
             with child.weight.device:  # meta stays meta: to_empty allocates it later
                 setattr(parent, child_name, MXFP4Linear.like(child, path, scratch))

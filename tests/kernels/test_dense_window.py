@@ -5,9 +5,9 @@ reads keys p - W < k <= p) on the fast (head_dim 64) and generic (head_dim 80) A
 and the AVX2 one. The block-table entries wholly before a sequence's window point at a block
 full of NaN, as the engine's dropped blocks point at block 0: one read of it would poison the
 output, so equality also proves the kernels never read before the window. Whole windowed
-models (every layer sliding, and a Qwen2 mix of full and sliding layers) run natively as close
-to the fp32 model as the plain bf16 path, with the decode team bit-identical to the per-op
-driver.
+models (every layer sliding, a Qwen2 mix of full and sliding layers, and a partially rotated
+Phi-3 sliding every layer) run natively as close to the fp32 model as the plain bf16 path,
+with the decode team bit-identical to the per-op driver.
 """
 
 from __future__ import annotations
@@ -122,6 +122,9 @@ SPECS = {
     "mistral_all_sliding": ModelSpec(arch="mistral", sliding_window=7,
                                      tie_word_embeddings=False),
     "qwen2_mixed": ModelSpec(arch="qwen2", sliding_window=5, max_window_layers=1),
+    # Both of the kernels' attention options at once: a window and Phi-4-mini's partial rotary.
+    "phi3_partial_sliding": ModelSpec(arch="phi3", sliding_window=6, partial_rotary_factor=0.75,
+                                      tie_word_embeddings=False),
 }
 
 

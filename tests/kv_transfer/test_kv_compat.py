@@ -65,7 +65,14 @@ def test_hash_is_sensitive_to_every_factor(name: str) -> None:
     diffs = diff_factors(f, g.to_wire())
     assert [d.name for d in diffs] == [name]
     value = getattr(f, name)
-    assert repr(dict(value) if name in MAP_FACTORS else value) in str(diffs[0])
+    if name not in MAP_FACTORS:
+        assert repr(value) in str(diffs[0])
+        return
+    # A map factor names only its differing keys, each with both values.
+    mine, theirs = dict(value), dict(ALTERED[name])
+    keys = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    assert keys and diffs[0].local == repr({k: mine.get(k, "<absent>") for k in keys})
+    assert diffs[0].remote == repr({k: theirs.get(k, "<absent>") for k in keys})
 
 
 def test_diff_tolerates_garbage_and_unknown_factors() -> None:
@@ -212,3 +219,36 @@ def test_windows_factor_names_each_layer() -> None:
     assert ModelKVSpec.windows_factor([]) == ModelKVSpec.windows_factor([None, None]) == "full"
     assert ModelKVSpec.windows_factor([None, 4096]) == "full,4096"
     assert ModelKVSpec.windows_factor([7, 7]) == "7,7"
+
+
+_FAMILY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "sliding_window": 8}
+FAMILIES = {  # families whose own configs place the windows (HF's default layer patterns)
+    "gemma2": {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]},
+    "gemma3": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]},
+    "gpt_oss": {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+                "num_local_experts": 4},
+    "qwen3_moe": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                  "use_sliding_window": True},
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_familys_windows_are_the_one_attention_windows_factor(family: str) -> None:
+    """Gemma, gpt-oss and Qwen3-MoE windows are ModelConfig.layer_windows like everyone's:
+    a different window differs in attention_windows alone (no family key repeats it in the
+    rope factor, so one change is never counted twice)."""
+    from shared.model.config import ModelConfig
+
+    def factors(window: int) -> CompatFactors:
+        config = ModelConfig.from_hf({**_FAMILY, **FAMILIES[family], "sliding_window": window})
+        assert any(w == window for w in config.layer_windows)
+        spec = kv_spec_of("m", "fp", EngineConfig(), config)
+        assert spec.attention_windows == ModelKVSpec.windows_factor(config.layer_windows)
+        assert not [k for k, _ in spec.rope if "window" in k or "layer_types" in k]
+        return CompatFactors.for_transfer(spec, PullTransfer)
+
+    w8, w16 = factors(8), factors(16)
+    (diff,) = diff_factors(w8, w16.to_wire())
+    assert diff.name == "attention_windows" and "8" in diff.local and "16" in diff.remote

@@ -20,6 +20,7 @@ with finite fp16 super-block scales sized for weights of about the wanted standa
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +72,13 @@ CASES = {
     "llama": Case("llama", "llama-bpe", 64, tied=True),
     "qwen2": Case("qwen2", "qwen2", 64, tied=True),
     "qwen3": Case("qwen3", "qwen2", 128, tied=False),
+    "phi3": Case("phi3", "qwen2", 64, tied=False),  # fused qkv / gate_up, longrope, 3/4 rotary
+    # Sandwich norms stored as (1 + w), soft-caps, windows, Gemma 3's QK-norm and local RoPE.
+    "gemma2": Case("gemma2", "qwen2", 64, tied=True),
+    "gemma3": Case("gemma3", "llama-bpe", 128, tied=True),
 }
+HF_TYPE = {"gemma3": "gemma3_text"}  # GGUF architecture -> make_model / HF model_type
+PHI3_ORIG_CONTEXT = 128  # < max_position_embeddings: longrope's two factor sets both matter
 GEOMETRY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2}
 
@@ -177,26 +184,47 @@ _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn
           "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
           "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-          "post_attention_layernorm": "ffn_norm"}
+          "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
+          "mlp.gate_up_proj": "ffn_up"}  # phi3: gguf-py's TensorNameMap maps gate_up to ffn_up
 
 
-def gguf_name(hf_name: str) -> str:
+_GEMMA_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     """HF parameter name -> llama.cpp tensor name (gguf-py's TensorNameMap, for these models)."""
     base, kind = hf_name.rsplit(".", 1)
     if base in _TOP:
         return f"{_TOP[base]}.{kind}"
     _, _, layer, module = base.split(".", 3)
-    return f"blk.{layer}.{_LAYER[module]}.{kind}"
+    names = _GEMMA_LAYER if arch.startswith("gemma") else _LAYER
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
 def model_config(case: Case, hf_tok: PreTrainedTokenizerFast, seed: int) -> tuple[ModelSpec, dict]:
-    spec = ModelSpec(arch=case.arch, vocab_size=len(hf_tok), tie_word_embeddings=case.tied,
-                     seed=seed)
+    spec = ModelSpec(arch=HF_TYPE.get(case.arch, case.arch), vocab_size=len(hf_tok),
+                     tie_word_embeddings=case.tied, seed=seed)
     cfg = hf_config(spec) | GEOMETRY | {
         "head_dim": case.head_dim, "bos_token_id": hf_tok.bos_token_id,
         "eos_token_id": hf_tok.eos_token_id, "max_position_embeddings": 512,
         # exact in float32, as GGUF stores it: no rounding gap between the two sides
         "rms_norm_eps": 2.0 ** -16, "rope_theta": 10000.0}
+    if case.arch == "phi3":
+        half = int(case.head_dim * 0.75) // 2
+        cfg.update(partial_rotary_factor=0.75, sliding_window=None,
+                   original_max_position_embeddings=PHI3_ORIG_CONTEXT,
+                   rope_scaling={"type": "longrope",
+                                 "long_factor": [1.0 + 0.25 * i for i in range(half)],
+                                 "short_factor": [1.0 + 0.0625 * i for i in range(half)]})
+    if case.arch.startswith("gemma"):  # what llama.cpp derives rather than stores
+        pattern = 2 if case.arch == "gemma2" else 6
+        cfg.update(query_pre_attn_scalar=case.head_dim,
+                   layer_types=["sliding_attention" if i % pattern < pattern - 1
+                                else "full_attention" for i in range(cfg["num_hidden_layers"])])
+    if case.arch == "gemma3":
+        cfg.update(rope_theta=1_000_000.0, rope_local_base_freq=10000.0)
     return spec, cfg
 
 
@@ -216,6 +244,25 @@ def write_hyper(w: GGUFWriter, cfg: dict) -> None:
     if cfg["model_type"] == "llama":
         w.add_rope_dimension_count(cfg["head_dim"])
         w.add_vocab_size(cfg["vocab_size"])
+    if cfg["model_type"] in ("gemma2", "gemma3_text"):  # Gemma2Model / Gemma3Model
+        if cfg["head_dim"] == cfg["hidden_size"] // cfg["num_attention_heads"]:  # else above
+            w.add_key_length(cfg["head_dim"])
+            w.add_value_length(cfg["head_dim"])
+        w.add_sliding_window(cfg["sliding_window"])
+    if cfg["model_type"] == "gemma2":
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if cfg["model_type"] == "phi3":  # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors
+        w.add_rope_dimension_count(
+            int(cfg["partial_rotary_factor"] * cfg["hidden_size"]) // cfg["num_attention_heads"])
+        w.add_sliding_window(cfg["sliding_window"] or 0)
+        w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        scale = cfg["max_position_embeddings"] / cfg["original_max_position_embeddings"]
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(cfg["original_max_position_embeddings"])))
+        for kind in ("long", "short"):
+            w.add_tensor(f"rope_factors_{kind}.weight",
+                         np.asarray(cfg["rope_scaling"][f"{kind}_factor"], dtype=np.float32))
 
 
 def write_pair(root: Path, case: Case, qtype: Q, hf_tok: PreTrainedTokenizerFast,
@@ -232,12 +279,16 @@ def write_pair(root: Path, case: Case, qtype: Q, hf_tok: PreTrainedTokenizerFast
     for name, tensor in random_weights(spec, cfg).items():
         w = tensor.numpy()
         stored, values = quantised(w, qtype, rng) if w.ndim == 2 else (w, w)
+        if case.arch.startswith("gemma") and name.endswith("norm.weight"):
+            stored = w + np.float32(1.0)  # llama.cpp stores Gemma's (1 + w) ...
+            values = stored - np.float32(1.0)  # ... which import turns back, in float32
         if case.arch == "llama" and ".q_proj." in name:
             stored = llama_cpp_permute(stored, cfg["num_attention_heads"])
         elif case.arch == "llama" and ".k_proj." in name:
             stored = llama_cpp_permute(stored, cfg["num_key_value_heads"])
         raw = qtype if stored.dtype == np.uint8 else None
-        writer.add_tensor(gguf_name(name), np.ascontiguousarray(stored), raw_dtype=raw)
+        writer.add_tensor(gguf_name(name, case.arch), np.ascontiguousarray(stored),
+                          raw_dtype=raw)
         ref[name] = torch.from_numpy(np.array(values, dtype=np.float32))
     for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
                   writer.write_tensors_to_file, writer.close):

@@ -104,7 +104,7 @@ def test_llama3_rope_defaults_original_context_like_hf() -> None:
 
 
 @pytest.mark.parametrize("scaling, match", [
-    ({"rope_type": "yarn", "factor": 4.0}, "unsupported rope scaling type 'yarn'"),
+    ({"rope_type": "mrope", "factor": 4.0}, "unsupported rope scaling type 'mrope'"),
     ({"rope_type": "linear"}, "needs a 'factor'"),
     ({"rope_type": "llama3", "factor": 8.0}, "low_freq_factor"),
     ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
@@ -145,12 +145,13 @@ def test_explicit_head_dim_and_mqa() -> None:
 
 
 def hf_windows(d: dict) -> tuple[int | None, ...]:
-    """Each layer's window as HF's modeling code reads it (independent reference): Qwen2/3
-    attention takes config.sliding_window on "sliding_attention" layers; Mistral and Phi-3
-    pass config.sliding_window to every layer."""
+    """Each layer's window as HF's modeling code reads it (independent reference): Qwen2/3,
+    Gemma 2/3 and gpt-oss attention take config.sliding_window on "sliding_attention" layers;
+    Mistral, Phi-3 and Qwen3-MoE pass config.sliding_window to every layer."""
     c = AutoConfig.for_model(**{k: v for k, v in d.items() if k != "architectures"})
     n = c.num_hidden_layers
-    types = c.layer_types if d["model_type"] in ("qwen2", "qwen3") else ["sliding_attention"] * n
+    by_type = ("qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss")
+    types = c.layer_types if d["model_type"] in by_type else ["sliding_attention"] * n
     windows = tuple(c.sliding_window if t == "sliding_attention" else None for t in types)
     return () if all(w is None for w in windows) else windows
 
@@ -170,6 +171,14 @@ def hf_windows(d: dict) -> tuple[int | None, ...]:
     {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 16,
      "max_window_layers": 0},
     {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16},  # 28 > 2 layers
+    {"model_type": "qwen3_moe", "use_sliding_window": True, "sliding_window": 16},
+    {"model_type": "qwen3_moe", "use_sliding_window": False, "sliding_window": 16},
+    {"model_type": "gemma2", "sliding_window": 16, "hidden_activation": "gelu_pytorch_tanh"},
+    {"model_type": "gemma3_text", "sliding_window": 16, "num_hidden_layers": 7,
+     "hidden_activation": "gelu_pytorch_tanh"},  # HF's default pattern: layer 6 is full
+    {"model_type": "gpt_oss", "sliding_window": 16, "num_local_experts": 4},
+    {"model_type": "gpt_oss", "sliding_window": 16, "num_local_experts": 4,
+     "layer_types": ["full_attention", "sliding_attention"]},
 ])
 def test_layer_windows_follow_hf(extra: dict) -> None:
     cfg = {**LLAMA, "architectures": None, **extra}

@@ -1,4 +1,4 @@
-"""`--model path/to/file.gguf` for llama, qwen2 and qwen3, against the same weights as safetensors.
+"""`--model path/to/file.gguf` (llama, qwen2, qwen3, phi3, gemma2, gemma3) against the same weights as safetensors.
 
 Each case writes a tiny random checkpoint twice (tests/model/gguf_fixtures.py: an HF directory,
 and a GGUF written independently of pdmesh with gguf.GGUFWriter the way llama.cpp's converter
@@ -175,7 +175,7 @@ def test_sentencepiece_vocabulary_matches_transformers_gguf_loader(tmp_path: Pat
 # ---- refusals, doctor, cache ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["gemma", "phi3"])
+@pytest.mark.parametrize("arch", ["gemma", "falcon"])
 def test_unsupported_architecture_is_refused_by_name(arch: str, tmp_path: Path, tokenizers,
                                                      cache: Path) -> None:
     _, cfg = model_config(CASES["qwen2"], tokenizers["qwen2"], 0)

@@ -29,10 +29,24 @@ CASES: dict[str, dict[str, object]] = {
     "qwen3_qk_norm": {"arch": "qwen3", "tie_word_embeddings": False, "head_dim": 24},
     "qwen3_bias_mqa": {"arch": "qwen3", "attention_bias": True, "num_kv_heads": 1,
                        "tie_word_embeddings": False, "seed": 4},
+    # Routed experts (top-2 of 8, renormalised) on layer 1, a dense MLP on layer 0.
+    "qwen3_moe": {"arch": "qwen3_moe", "tie_word_embeddings": False, "head_dim": 24,
+                  "mlp_only_layers": (0,)},
+    # Sparse every other layer (decoder_sparse_step 2), top-3 without renormalising.
+    "qwen3_moe_sparse_step": {"arch": "qwen3_moe", "preset": "small", "seed": 2,
+                              "tie_word_embeddings": False, "decoder_sparse_step": 2,
+                              "num_experts_per_tok": 3, "norm_topk_prob": False},
     "rope_llama3": {"rope_type": "llama3", "rope_factor": 8.0, "rope_keys": "v5"},
     "rope_linear": {"rope_type": "linear", "rope_factor": 4.0},
     # max_position_embeddings 16: the generate test decodes far past it, where NTK kicks in.
     "rope_dynamic": {"rope_type": "dynamic", "rope_factor": 2.0, "max_position_embeddings": 16},
+    # Gemma (shared.model.gemma): layer 0 slides over 8 positions, past which every prompt
+    # here runs; soft-capped scores and logits (Gemma 2), QK-norm and a local RoPE base for
+    # sliding layers (Gemma 3, both config generations).
+    "gemma2": {"arch": "gemma2"},
+    "gemma3": {"arch": "gemma3_text", "tie_word_embeddings": False},
+    "gemma3_v5_keys": {"arch": "gemma3_text", "rope_keys": "v5", "sliding_window": 5,
+                       "num_kv_heads": 1, "tie_word_embeddings": False, "seed": 3},
 }
 
 

@@ -1,4 +1,5 @@
-"""Phi-3 (fused qkv/gate_up, longrope) against HF transformers on a small random checkpoint.
+"""Phi-3 (fused qkv/gate_up, longrope) against HF transformers on a small random checkpoint,
+rotating whole heads and, like Phi-4-mini (partial_rotary_factor 0.75), only a head prefix.
 
 The prompt runs past original_max_position_embeddings (32), so the long factors are used.
 HF switches short/long per forward by its longest position; we switch per position, which is
@@ -20,10 +21,11 @@ from tests.support.model import PagedRunner, random_ids
 ORIG = 32
 
 
-def _write(path: Path) -> Path:
+def _write(path: Path, partial: float) -> Path:
     torch.manual_seed(0)
-    half = 16 // 2
+    half = int(16 * partial) // 2  # head_dim 16: rotary_dim / 2 frequencies
     cfg = Phi3Config(
+        partial_rotary_factor=partial,
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         original_max_position_embeddings=ORIG, rope_theta=10000.0, sliding_window=None,
@@ -38,9 +40,9 @@ def _write(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory):
-    path = _write(tmp_path_factory.mktemp("phi3"))
+@pytest.fixture(scope="module", params=[1.0, 0.75], ids=["full", "partial"])
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    path = _write(tmp_path_factory.mktemp("phi3"), request.param)
     ours, cfg = load_model(path, torch.float32)
     hf = Phi3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return ours, hf, cfg
@@ -62,6 +64,7 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 def test_phi3_greedy_matches_hf_decode_path(pair, length: int) -> None:
     ours, hf, cfg = pair
     assert cfg.model_type == "phi3" and cfg.rope.attention_factor > 1.0
+    assert cfg.rope.partial_rotary_factor == hf.config.rope_parameters["partial_rotary_factor"]
     prompt = random_ids(length, seed=length)
     prompt = [t % 256 for t in prompt]
     tokens, _ = PagedRunner(ours, seed=2).greedy("s", prompt, 8)

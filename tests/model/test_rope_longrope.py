@@ -75,11 +75,21 @@ def test_top_level_and_block_partial_factor_must_agree() -> None:
         RopeConfig.from_hf(raw, MAX_POS)
 
 
-def test_decoder_refuses_partial_rotary_until_supported() -> None:
-    raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "intermediate_size": 64,
-           "num_hidden_layers": 1, **_phi3(0.75)}
-    with pytest.raises(ValueError, match="partial_rotary_factor=0.75"):
-        ModelConfig.from_hf(raw)
+def test_partial_rotary_is_phi3_only() -> None:
+    """HF rotates a head prefix in Phi3's attention only; elsewhere the factor is refused."""
+    base = {"vocab_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, **_phi3(0.75)}
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.75 is only supported for Phi3"):
+        ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], **base})
+    phi3 = ModelConfig.from_hf({"architectures": ["Phi3ForCausalLM"], **base})
+    assert phi3.rope.rotary_dim(phi3.head_dim) == int(HEAD_DIM * 0.75)
+
+
+def test_compat_rope_items_cover_the_rotary_dim() -> None:
+    """Two checkpoints that differ only in partial_rotary_factor never exchange KV."""
+    full, partial = (ModelKVSpec.rope_items(dataclasses.asdict(RopeConfig.from_hf(_phi3(f),
+                                                                                 MAX_POS)))
+                     for f in (1.0, 0.75))
+    assert full != partial
 
 
 def test_compat_rope_items_differ_when_factors_differ() -> None:

@@ -23,12 +23,19 @@ FAMILIES = {
     # QK-norm and a head_dim (24) that is not hidden / heads (16).
     "qwen3": ModelSpec(arch="qwen3", preset="tiny", tie_word_embeddings=False, head_dim=24,
                        seed=5, max_position_embeddings=2304),
-    # Fused qkv_proj/gate_up_proj in the checkpoint.
+    # Fused qkv_proj/gate_up_proj in the checkpoint; Phi-4-mini's partial rotary.
     "phi3": ModelSpec(arch="phi3", preset="tiny", tie_word_embeddings=False, seed=5,
-                      max_position_embeddings=2304),
+                      max_position_embeddings=2304, partial_rotary_factor=0.75),
     # Every layer slides over 8 positions: the decode drops blocks the prefill sent whole.
     "mistral_sliding": ModelSpec(arch="mistral", preset="tiny", tie_word_embeddings=False,
                                  seed=5, max_position_embeddings=2304, sliding_window=8),
+    # Routed experts on layer 1, a dense MLP on layer 0.
+    "qwen3_moe": ModelSpec(arch="qwen3_moe", preset="tiny", tie_word_embeddings=False, seed=5,
+                           max_position_embeddings=2304, mlp_only_layers=(0,)),
+    # Sandwich norms, soft-caps, sliding layers (window 8) and a local RoPE base.
+    "gemma2": ModelSpec(arch="gemma2", preset="tiny", seed=5, max_position_embeddings=2304),
+    "gemma3": ModelSpec(arch="gemma3_text", preset="tiny", tie_word_embeddings=False, seed=5,
+                        max_position_embeddings=2304),
 }
 COMPLETIONS = "/v1/completions"
 

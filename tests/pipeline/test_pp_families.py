@@ -26,8 +26,9 @@ FAMILIES = {
     # QK-norm and a head_dim (48) that is not hidden / heads (32).
     "qwen3": ModelSpec(arch="qwen3", preset="small", tie_word_embeddings=False, head_dim=48,
                        seed=3),
-    # Fused qkv_proj/gate_up_proj in the checkpoint.
-    "phi3": ModelSpec(arch="phi3", preset="small", tie_word_embeddings=False, seed=3),
+    # Fused qkv_proj/gate_up_proj in the checkpoint; Phi-4-mini's partial rotary.
+    "phi3": ModelSpec(arch="phi3", preset="small", tie_word_embeddings=False, seed=3,
+                      partial_rotary_factor=0.75),
     # Qwen2 with layers 0-1 full and 2-3 sliding over 8 positions: each stage gets its own
     # layers' windows (by global index).
     "qwen2_sliding": ModelSpec(arch="qwen2", preset="small", tie_word_embeddings=False, seed=3,
@@ -35,6 +36,12 @@ FAMILIES = {
     # Every layer slides: the engine drops blocks while both stages run.
     "mistral_sliding": ModelSpec(arch="mistral", preset="small", tie_word_embeddings=False,
                                  seed=3, sliding_window=8),
+    # Routed experts on layers 1 and 3 (decoder_sparse_step 2): one sparse layer per stage.
+    "qwen3_moe": ModelSpec(arch="qwen3_moe", preset="small", tie_word_embeddings=False, seed=3,
+                           decoder_sparse_step=2),
+    # Sandwich norms, soft-caps, sliding layers (window 8) and a local RoPE base.
+    "gemma2": ModelSpec(arch="gemma2", preset="small", seed=3),
+    "gemma3": ModelSpec(arch="gemma3_text", preset="small", tie_word_embeddings=False, seed=3),
 }
 CHUNKED = {"max_num_batched_tokens": 24}
 

@@ -13,6 +13,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -84,6 +85,7 @@ class FakeEngine:
     script: str | None = None  # generate exactly this text (byte tokens), then EOS
     engine_id: str = "fake-engine-0"
     fingerprint: str = "f" * 64
+    model_dir: Path | None = None  # no checkpoint: no generation_config.json defaults
     healthy: bool = True
     failure: str | None = None
     started: bool = False

@@ -44,7 +44,10 @@ async def test_sigterm_drains_in_flight_then_exits_0() -> None:
         await wait_status(session, f"{base}/health", 200, 10)
         body = {"prompt": "hi", "max_tokens": 3}
         in_flight = asyncio.create_task(session.post(f"{base}/v1/completions", json=body))
-        await asyncio.sleep(0.1)
+        for _ in range(500):  # until the request is in the engine, as in the test below
+            if engine.blocks:
+                break
+            await asyncio.sleep(0.01)
         os.kill(os.getpid(), signal.SIGTERM)
         await asyncio.sleep(0.1)
         async with session.post(f"{base}/v1/completions", json=body) as late:
@@ -68,7 +71,10 @@ async def test_grace_period_expiry_aborts_and_exits_0() -> None:
     async with aiohttp.ClientSession() as session:
         await wait_status(session, f"{base}/health", 200, 10)
         stuck = asyncio.create_task(session.post(f"{base}/v1/completions", json={"prompt": "hi"}))
-        await asyncio.sleep(0.1)
+        for _ in range(500):  # until the request holds blocks (a fixed sleep raced a busy CI)
+            if engine.blocks:
+                break
+            await asyncio.sleep(0.01)
         assert engine.blocks
         os.kill(os.getpid(), signal.SIGTERM)
         assert await asyncio.wait_for(server, 10) == 0

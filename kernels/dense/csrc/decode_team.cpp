@@ -108,7 +108,8 @@ void check_team_block(const Block& w, int64_t hidden, const at::Tensor& kv,
   const int64_t d = kv.size(4);
   TORCH_CHECK(g.kv_heads > 0 && g.heads % g.kv_heads == 0 && g.heads / g.kv_heads <= 16 &&
                   kv.size(0) == 2 && kv.size(3) == g.kv_heads && d % 2 == 0 &&
-                  cos_sin.size(1) == d && w.qkv.out_features() == (g.heads + 2 * g.kv_heads) * d,
+                  cos_sin.size(1) % 2 == 0 && 0 < cos_sin.size(1) && cos_sin.size(1) <= d &&
+                  w.qkv.out_features() == (g.heads + 2 * g.kv_heads) * d,
               "dense layer: qkv / cos_sin widths do not match the head geometry");
   for (const Proj* p : {&w.qkv, &w.o, &w.gate_up, &w.down}) {
     TORCH_CHECK(p->w.stride(1) == 1 && p->w.stride(0) >= p->w.size(1),
@@ -209,7 +210,8 @@ void decode_team(at::Tensor& h, at::Tensor& kv_cache, const at::Tensor& cos_sin,
     check_team_block(blocks[i], hidden, kv, cos_sin, g);
     TORCH_CHECK(blocks[i].down.in_features() == inter,
                 "dense layer: layers differ in intermediate size");
-    caches.push_back(CacheArgs{bits(kv[0]), bits(kv[1]), g.heads, g.kv_heads, d, windows[i]});
+    caches.push_back(CacheArgs{bits(kv[0]), bits(kv[1]), g.heads, g.kv_heads, d,
+                               cos_sin.size(1), windows[i]});
   }
   const Plan plan{s, blocks, g, *g.kernels, Gemv(g.path), bits(h), bits(cos_sin), caches,
                   m, hidden, inter, d, (g.heads + 2 * g.kv_heads) * d};

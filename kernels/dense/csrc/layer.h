@@ -26,12 +26,14 @@ struct StepArgs {
 };
 
 // Paged-cache geometry of one layer: k/v [num_blocks, block_size, kv_heads, head_dim] bf16.
+// RoPE rotates the first rotary_dim (even, <= head_dim) channels of each q / k head and
+// passes the rest through (partial rotary, HF Phi3); rotary_dim == head_dim rotates it all.
 // window > 0: a sliding-window layer, whose query at position p attends to keys
 // p - window < j <= p only (HF semantics); 0: full causal attention (keys 0..p).
 struct CacheArgs {
   uint16_t* k;
   uint16_t* v;
-  int64_t num_heads, num_kv_heads, head_dim;
+  int64_t num_heads, num_kv_heads, head_dim, rotary_dim;
   int64_t window = 0;
 };
 
@@ -51,8 +53,9 @@ void add_inplace_avx512(uint16_t* h, const uint16_t* y, int64_t n);
 // [T, 2 * inter] (gate then up), act [T, inter].
 void silu_mul_avx512(const uint16_t* gu, int64_t inter, uint16_t* act, int64_t t0, int64_t t1);
 
-// RoPE (HF rotate-half, bf16 rounding per op, cos_sin [P, D] = cos | sin halves) of rows
-// [t0, t1) of qkv [T, (H + 2 KVH) D]: rotated q -> q_out [T, H D]; rotated k and v -> cache.
+// RoPE (HF rotate-half over each head's first R = rotary_dim channels, bf16 rounding per op,
+// cos_sin [P, R] = cos | sin halves; channels R..D-1 copied as they are) of rows [t0, t1) of
+// qkv [T, (H + 2 KVH) D]: rotated q -> q_out [T, H D]; rotated k and v -> cache.
 void rope_store_avx512(const uint16_t* qkv, const uint16_t* cos_sin, const StepArgs& s,
                        const CacheArgs& c, uint16_t* q_out, int64_t t0, int64_t t1);
 

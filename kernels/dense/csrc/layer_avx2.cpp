@@ -34,6 +34,13 @@ inline void rotate(const uint16_t* x, const uint16_t* cs, int64_t d, uint16_t* d
   }
 }
 
+// dst[0:D] = x[0:D] with its first R channels rotated (partial rotary when R < D).
+inline void rotate_head(const uint16_t* x, const uint16_t* cs, int64_t r, int64_t d,
+                        uint16_t* dst) {
+  rotate(x, cs, r, dst);
+  if (r < d) std::memcpy(dst + r, x + r, (d - r) * sizeof(uint16_t));
+}
+
 }  // namespace
 
 void rms_norm_avx2(const uint16_t* x, const uint16_t* w, int64_t n, float eps, uint16_t* out,
@@ -81,16 +88,16 @@ void silu_mul_avx2(const uint16_t* gu, int64_t inter, uint16_t* act, int64_t t0,
 
 void rope_store_avx2(const uint16_t* qkv, const uint16_t* cos_sin, const StepArgs& s,
                      const CacheArgs& c, uint16_t* q_out, int64_t t0, int64_t t1) {
-  const int64_t d = c.head_dim, h = c.num_heads, kvh = c.num_kv_heads;
+  const int64_t d = c.head_dim, r = c.rotary_dim, h = c.num_heads, kvh = c.num_kv_heads;
   const int64_t row = (h + 2 * kvh) * d;
   for (int64_t t = t0; t < t1; ++t) {
     int64_t pos, slot;
     locate(s, t, &pos, &slot);
     const uint16_t* x = qkv + t * row;
-    const uint16_t* cs = cos_sin + pos * d;
-    for (int64_t n = 0; n < h; ++n) rotate(x + n * d, cs, d, q_out + (t * h + n) * d);
+    const uint16_t* cs = cos_sin + pos * r;
+    for (int64_t n = 0; n < h; ++n) rotate_head(x + n * d, cs, r, d, q_out + (t * h + n) * d);
     for (int64_t n = 0; n < kvh; ++n) {
-      rotate(x + (h + n) * d, cs, d, c.k + (slot * kvh + n) * d);
+      rotate_head(x + (h + n) * d, cs, r, d, c.k + (slot * kvh + n) * d);
       std::memcpy(c.v + (slot * kvh + n) * d, x + (h + kvh + n) * d, d * sizeof(uint16_t));
     }
   }

@@ -22,8 +22,9 @@
 //       (h += y, then norm);  silu_mul(gu [T, 2 I], path) -> Tensor [T, I];  add_(h!, y, path)
 //       The block's elementwise steps alone, for callers that run the projections themselves
 //       (an MXFP4 prefill, whose projections dequantise for torch's GEMM).
-// Shapes: qkv [T, (H + 2 KVH) D], kv_layer [2, num_blocks, block_size, KVH, D], cos_sin [P, D],
-// block_tables int32 [B, max_blocks], context_lens int32 [B], query_start int32 [B + 1].
+// Shapes: qkv [T, (H + 2 KVH) D], kv_layer [2, num_blocks, block_size, KVH, D], cos_sin [P, R]
+// (R = rotary dim, even, <= D: RoPE rotates each head's first R channels), block_tables int32
+// [B, max_blocks], context_lens int32 [B], query_start int32 [B + 1].
 // Every input is validated here (the kernels trust their indices), so a bad table raises.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -112,7 +113,7 @@ at::Tensor attention_core(const LayerKernels& k, const at::Tensor& qkv, at::Tens
                           const at::Tensor& cos_sin, const Step& s, int64_t heads,
                           int64_t kv_heads, double scale, int64_t window) {
   const int64_t d = kv.size(4), rows = s.rows;
-  const CacheArgs c{bits(kv[0]), bits(kv[1]), heads, kv_heads, d, window};
+  const CacheArgs c{bits(kv[0]), bits(kv[1]), heads, kv_heads, d, cos_sin.size(1), window};
   at::Tensor q = at::empty({rows, heads * d}, qkv.options());
   at::Tensor out = at::empty({rows, heads * d}, qkv.options());
   at::parallel_for(0, rows, 16, [&](int64_t t0, int64_t t1) {
@@ -143,7 +144,9 @@ void check_geometry(const at::Tensor& qkv, const at::Tensor& kv, const at::Tenso
                   kv.size(0) == 2 && kv.size(3) == kv_heads,
               "dense layer: heads must be a multiple (<= 16x) of the cache's kv heads");
   const int64_t d = kv.size(4);
-  TORCH_CHECK(d % 2 == 0 && cos_sin.size(1) == d && qkv.size(1) == (heads + 2 * kv_heads) * d,
+  const int64_t r = cos_sin.size(1);  // rotary_dim: < d for partial rotary
+  TORCH_CHECK(d % 2 == 0 && r % 2 == 0 && 0 < r && r <= d &&
+                  qkv.size(1) == (heads + 2 * kv_heads) * d,
               "dense layer: qkv / cos_sin widths do not match the head geometry");
 }
 
