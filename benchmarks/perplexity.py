@@ -1,7 +1,8 @@
 """Perplexity of one fixed English text: dense weights vs MXFP4 (with and without the LM head).
 
     .venv/bin/python benchmarks/perplexity.py [--model NAME_OR_DIR] [--dtype bfloat16 float32]
-                                              [--threads 2]
+                                              [--threads 2] [--encoder ocp mse]
+                                              [--no-lm-head]
 
 Every variant loads the same checkpoint through shared.model.loader and runs the whole text
 (~500 tokens) as one prefill over the paged KV cache; perplexity = exp(mean NLL of each
@@ -9,6 +10,7 @@ next token). Variants:
   dense            the checkpoint's weights in --dtype
   mxfp4            decoder linears in MXFP4, LM head dense
   mxfp4+lm_head    decoder linears and the (tied) LM head in MXFP4
+each MXFP4 variant once per --encoder (how block exponents are picked: kernels/mxfp4/encoder.py).
 Prefill runs more than 32 rows, so the linears dequantise exactly and call torch's matmul:
 the figures measure the weight format, not the fused kernel's accumulation order.
 """
@@ -62,11 +64,13 @@ finished in the end, if somebody is patient enough to keep crossing things off.
 VARIANTS = ("dense", "mxfp4", "mxfp4+lm_head")
 
 
-def load(model_dir: Path, dtype: str, variant: str):
+def load(model_dir: Path, dtype: str, variant: str, encoder: str):
+    from kernels.mxfp4 import Encoder
     from shared.model.loader import load_model
     from shared.model.quant import QuantConfig
 
-    quant = None if variant == "dense" else QuantConfig(quantize_lm_head=variant.endswith("head"))
+    quant = None if variant == "dense" else QuantConfig(quantize_lm_head=variant.endswith("head"),
+                                                        encoder=Encoder(encoder))
     model, _ = load_model(model_dir, dtype, quantization=quant)
     return model
 
@@ -93,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", nargs="+", choices=("bfloat16", "float32"),
                    default=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--encoder", nargs="+", choices=("ocp", "mse"), default=["ocp", "mse"])
+    p.add_argument("--no-lm-head", action="store_true", help="skip the mxfp4+lm_head variant")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from shared.model.registry import resolve_model
@@ -102,16 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model(args.model)
     ids = Tokenizer(model_dir).encode(TEXT)
     print(f"{args.model}: {len(ids)} tokens of fixed text, {args.threads} threads")
-    print(f"{'dtype':<10}{'variant':<16}{'perplexity':>12}{'vs dense':>10}{'seconds':>9}")
+    print(f"{'dtype':<10}{'variant':<24}{'perplexity':>12}{'vs dense':>10}{'seconds':>9}")
+    variants = [v for v in VARIANTS if not (args.no_lm_head and v.endswith("head"))]
+    runs = [("dense", "")] + [(v, e) for e in args.encoder for v in variants if v != "dense"]
     for dtype in args.dtype:
         base = None
-        for variant in VARIANTS:
-            model = load(model_dir, dtype, variant)
+        for variant, encoder in runs:
+            model = load(model_dir, dtype, variant, encoder or "ocp")
             start = time.perf_counter()
             ppl = perplexity(model, ids)
             elapsed = time.perf_counter() - start
             base = base or ppl
-            print(f"{dtype:<10}{variant:<16}{ppl:>12.3f}{(ppl / base - 1) * 100:>+9.2f}%"
+            label = f"{variant} ({encoder})" if encoder else variant
+            print(f"{dtype:<10}{label:<24}{ppl:>12.3f}{(ppl / base - 1) * 100:>+9.2f}%"
                   f"{elapsed:>9.2f}")
             del model
     return 0

@@ -14,10 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kernels.tier import Tier
+from shared.speculative_config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KERNEL_TIER_ENV = "PDMESH_KERNEL_TIER"
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+# kernels.mxfp4.Encoder's values (tests/quant/test_quant_encoder.py keeps them equal); this
+# module stays free of torch.
+QUANT_ENCODER_CHOICES = ("ocp", "mse")
 
 
 def default_cache_dir() -> Path:
@@ -122,6 +126,9 @@ class EngineConfig:
     num_threads: int | None = None
     quantization: str | None = None  # None | "mxfp4"
     quantize_lm_head: bool = False  # with quantization: the (tied) LM head too
+    # With quantization: how block exponents are chosen ("ocp" | "mse"; None: the default,
+    # shared.model.quant.DEFAULT_ENCODER). A run-time weight transform, so it is hashed.
+    quant_encoder: str | None = None
     seed: int = 0
     cache_dir: Path | None = None  # None: default_cache_dir()
     # The highest kernel tier automatic dispatch may pick ("auto": the CPU's best). Defaults to
@@ -135,9 +142,13 @@ class EngineConfig:
     # grammar may take to compile before the request is refused (400).
     grammar_cache_size: int = 128
     grammar_compile_timeout_s: float = 10.0
+    # Speculative decoding (None: off). A JSON string or a mapping is parsed here, once.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kernel_tier", parse_kernel_tier(self.kernel_tier))
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
         if self.revision is not None and not self.revision.strip():
             raise ValueError("revision must be a branch, tag or commit hash, got an empty one")
         if self.dtype == "auto":
@@ -154,6 +165,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be mxfp4 or unset, got {self.quantization!r}")
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head needs quantization (mxfp4)")
+        if self.quant_encoder not in (None, *QUANT_ENCODER_CHOICES):
+            raise ValueError(f"quant_encoder must be one of {', '.join(QUANT_ENCODER_CHOICES)}, "
+                             f"got {self.quant_encoder!r}")
         if self.grammar_cache_size < 1 or not self.grammar_compile_timeout_s > 0:
             raise ValueError("grammar_cache_size must be >= 1 and grammar_compile_timeout_s > 0")
 

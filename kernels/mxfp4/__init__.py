@@ -18,6 +18,7 @@ import torch
 from kernels._native import BackendUnavailableError, BuildInfo, BuildState, Dispatch
 from kernels.mxfp4.backend import FASTEST_FIRST, Backend, KernelPath
 from kernels.mxfp4.build import BuildConfig, Variant, recipe
+from kernels.mxfp4.encoder import Encoder
 
 __all__ = [
     "Backend",
@@ -25,6 +26,7 @@ __all__ = [
     "BuildConfig",
     "BuildInfo",
     "BuildState",
+    "Encoder",
     "KernelPath",
     "Variant",
     "available_backends",
@@ -57,10 +59,11 @@ def kernel_path(backend: str | Backend | None = None) -> KernelPath:
 
 
 def quantize(
-    w: torch.Tensor, backend: str | Backend | None = None
+    w: torch.Tensor, backend: str | Backend | None = None, encoder: Encoder = Encoder.OCP
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """w float [..., K] (K % 32 == 0) -> (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32])."""
-    return kernel_path(backend).quantize(w)
+    """w float [..., K] (K % 32 == 0) -> (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32]);
+    encoder picks each block's shared exponent (OCP's rule, or the least squared error)."""
+    return kernel_path(backend).quantize(w, encoder)
 
 
 def dequantize(

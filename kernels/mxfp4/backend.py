@@ -13,6 +13,7 @@ import torch
 
 from kernels._native import NativePath, path_id
 from kernels.mxfp4 import reference
+from kernels.mxfp4.encoder import Encoder, quantize_mse
 from kernels.mxfp4.format import (
     check_dtype,
     check_linear,
@@ -70,9 +71,15 @@ def _cpu_only(*tensors: torch.Tensor | None) -> None:
 class KernelPath(NativePath[Backend]):
     """One runnable backend: the reference, or a compiled one with the loaded library."""
 
-    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """w float [..., K] -> (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32])."""
+    def quantize(self, w: torch.Tensor, encoder: Encoder = Encoder.OCP,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """w float [..., K] -> (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32]).
+
+        The OCP encoder runs on this path; the MSE one (kernels/mxfp4/encoder.py) is plain
+        torch on every path (it is a load-time search, not a hot loop)."""
         check_weight(w)
+        if encoder is Encoder.MSE:
+            return quantize_mse(w)
         if self.library is None:
             return reference.quantize(w)
         _cpu_only(w)

@@ -65,17 +65,47 @@ def dequantize(
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w float [..., K] -> (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32])."""
     check_weight(w)
-    v = w.to(torch.float32).to(torch.float64).unflatten(-1, (-1, BLOCK_SIZE))  # [..., G, 32]
+    v = as_blocks(w)
+    return encode(v, ocp_exponent(v))
+
+
+def as_blocks(w: torch.Tensor) -> torch.Tensor:
+    """w float [..., K] -> float64 [..., K/32, 32], rounded through float32 first."""
+    return w.to(torch.float32).to(torch.float64).unflatten(-1, (-1, BLOCK_SIZE))
+
+
+def ocp_exponent(v: torch.Tensor) -> torch.Tensor:
+    """v float64 [..., G, 32] -> int64 [..., G]: floor(log2(amax)) - emax_elem, clamped to
+    -127 (an all-zero block gets -127); arbitrary (0) for a non-finite block."""
     amax = v.abs().amax(-1)  # NaN propagates
-    finite = torch.isfinite(amax)
     _, exp = torch.frexp(amax)  # amax = m * 2^exp, m in [0.5, 1): floor(log2(amax)) = exp - 1
     shared = torch.where(amax > 0, exp - 1 - EMAX_ELEM, -SCALE_BIAS).clamp(min=-SCALE_BIAS)
-    shared = torch.where(finite, shared, 0)
-    pow2 = torch.tensor([math.ldexp(1.0, e) for e in range(-SCALE_BIAS, SCALE_BIAS + 1)])
-    scaled = v.abs() / pow2.to(torch.float64)[shared + SCALE_BIAS].unsqueeze(-1)
-    codes = torch.zeros(v.shape, dtype=torch.int64)
+    return torch.where(torch.isfinite(amax), shared, 0)
+
+
+def pow2(shared: torch.Tensor) -> torch.Tensor:
+    """int64 exponents in [-127, 127] -> float64 2^shared (exact)."""
+    table = torch.tensor([math.ldexp(1.0, e) for e in range(-SCALE_BIAS, SCALE_BIAS + 1)],
+                         dtype=torch.float64)
+    return table[shared + SCALE_BIAS]
+
+
+def e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
+    """Non-negative float64 magnitudes -> int64 codes 0..7 of the nearest E2M1 value, ties to
+    the even code, saturating at 6 (code 7)."""
+    codes = torch.zeros(scaled.shape, dtype=torch.int64)
     for j, mid in enumerate(_MIDPOINTS):
         codes += (scaled > mid) if j % 2 == 0 else (scaled >= mid)
+    return codes
+
+
+def encode(v: torch.Tensor, shared: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """v float64 [..., G, 32] with a chosen shared exponent int64 [..., G] in [-127, 127] ->
+    (blocks, scales): elements rounded to nearest-even E2M1 after dividing by 2^shared; a
+    block holding Inf or NaN gets scale 255 and zero codes whatever shared says."""
+    finite = torch.isfinite(v).all(-1)
+    shared = torch.where(finite, shared, 0)
+    codes = e2m1_codes(v.abs() / pow2(shared).unsqueeze(-1))
     codes |= torch.signbit(v).long() << 3
     codes = torch.where(finite.unsqueeze(-1), codes, 0)
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)

@@ -19,6 +19,7 @@ import numpy as np
 
 from services.bench.client import RequestRecord, RequestStatus
 from services.bench.config import percentile_label
+from services.bench.spec_decode import SpecDecodeSummary
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 PHASE_ORDER = ("queue", "prefill", "handshake", "kv_transfer", "first_token", "decode")
@@ -90,6 +91,8 @@ class BenchResult:
     requests_retried: int
     client_cpu: ClientCpu
     records: tuple[RequestRecord, ...] = field(repr=False, default=())
+    # From the server's spec_decode_* counters (None: not exposed; see bench.spec_decode).
+    spec_decode: SpecDecodeSummary | None = None
 
 
 def tpot_s(record: RequestRecord) -> float | None:

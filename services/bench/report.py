@@ -16,6 +16,7 @@ from typing import TextIO
 from services.bench.client import RequestRecord
 from services.bench.config import BenchConfig
 from services.bench.metrics import LATENCY_METRICS, BenchResult
+from services.bench.spec_decode import SpecDecodeSummary
 from shared.protocol.pd import ApiKind
 
 SCHEMA = "pdmesh.bench.result"
@@ -66,7 +67,9 @@ def result_to_json(result: BenchResult, config: BenchConfig) -> dict[str, object
       `errors_by_type` {type: count}, `phases` {phase: {count, mean_ms, median_ms, p99_ms,
       total_s}}, `kv_transfer` {requests, total_bytes, total_s, gib_per_s},
       `disagg_decisions` {decision: count}, `retries` {total, requests_retried},
-      `client` {cpu_s, user_s, sys_s, wall_s, percent_of_core, high},
+      `client` {cpu_s, user_s, sys_s, wall_s, percent_of_core, high}, `spec_decode` (null
+      when the server exports no spec_decode_* counters) {drafts, draft_tokens,
+      accepted_tokens, acceptance_rate, mean_acceptance_length, per_position_acceptance_rate},
       `requests` [one object per sent request: RequestRecord's fields, seconds].
     """
     out: dict[str, object] = {
@@ -102,6 +105,7 @@ def result_to_json(result: BenchResult, config: BenchConfig) -> dict[str, object
         "disagg_decisions": dict(result.disagg_decisions),
         "retries": {"total": result.retries_total, "requests_retried": result.requests_retried},
         "client": asdict(result.client_cpu),
+        "spec_decode": asdict(result.spec_decode) if result.spec_decode else None,
         "requests": [record_to_json(r) for r in result.records],
     })
     return out
@@ -159,6 +163,8 @@ def print_table(result: BenchResult, config: BenchConfig, out: TextIO) -> None:
         for p, value in stats.percentiles_ms.items():
             t.row(f"P{p} {label} (ms):", value)
     _print_pdmesh(result, t)
+    if result.spec_decode is not None:
+        _print_spec_decode(result.spec_decode, t)
     t.rule("Load generator")
     cpu = result.client_cpu
     t.row("Client CPU (% of one core):", cpu.percent_of_core)
@@ -193,3 +199,19 @@ def _print_pdmesh(result: BenchResult, t: _Table) -> None:
         t.rule("Errors by type")
         for kind, count in result.errors_by_type.items():
             t.row(f"{kind}:", count)
+
+
+def _print_spec_decode(spec: SpecDecodeSummary, t: _Table) -> None:
+    """vLLM's `bench serve` section, from the server's counters over the run."""
+    t.rule("Speculative Decoding")
+    if spec.acceptance_rate is not None:
+        t.row("Acceptance rate (%):", 100.0 * spec.acceptance_rate)
+    if spec.mean_acceptance_length is not None:
+        t.row("Acceptance length:", spec.mean_acceptance_length)
+    t.row("Drafts:", spec.drafts)
+    t.row("Draft tokens:", spec.draft_tokens)
+    t.row("Accepted tokens:", spec.accepted_tokens)
+    if spec.per_position_acceptance_rate:
+        t.line("Per-position acceptance (%):")
+        for i, rate in enumerate(spec.per_position_acceptance_rate):
+            t.row(f"  Position {i}:", 100.0 * rate)

@@ -11,6 +11,7 @@ flight and returns a partial result; a second SIGINT exits at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import resource
 import signal
@@ -23,7 +24,7 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from services.bench import datasets, metrics, tokenizer
+from services.bench import datasets, metrics, spec_decode, tokenizer
 from services.bench.client import OpenAIClient, RequestRecord, RequestStatus
 from services.bench.config import BenchConfig
 from services.bench.datasets import Prompt
@@ -170,10 +171,13 @@ async def bench(config: BenchConfig) -> metrics.BenchResult:
                   "prompts are plain words, input lengths come from the server's usage",
                   file=sys.stderr)
         prompts = await datasets.build_prompts(config, codec)
+        before = await spec_decode.scrape(session, config.base_url, headers)
         outcome = await LoadRunner(OpenAIClient(session, config), config).run(prompts)
-    return metrics.compute(outcome.records, outcome.duration_s, slos_ms=config.goodput,
-                           percentiles=config.percentiles, partial=outcome.interrupted,
-                           not_sent=outcome.not_sent, client_cpu=outcome.cpu)
+        after = await spec_decode.scrape(session, config.base_url, headers) if before else None
+    result = metrics.compute(outcome.records, outcome.duration_s, slos_ms=config.goodput,
+                             percentiles=config.percentiles, partial=outcome.interrupted,
+                             not_sent=outcome.not_sent, client_cpu=outcome.cpu)
+    return dataclasses.replace(result, spec_decode=spec_decode.summarise(before, after))
 
 
 def run(config: BenchConfig) -> metrics.BenchResult:

@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
                         help="every worker's --kernel-tier (default: $PDMESH_KERNEL_TIER, which "
                              "the workers inherit, else auto)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="speculative decoding JSON (as `pdmesh serve`), passed to the "
+                             "decode (and mixed) workers: speculation runs on the decode side")
     # Passed to every worker: a decode parses the answers, and a prefill tells the router so.
     parsers_config.add_arguments(parser)
     from services.common import tls  # light: ssl only
@@ -102,6 +105,8 @@ def worker_flags(role: str, args: argparse.Namespace, port: int, kv_port: int,
         flags += ["--kernel-tier", args.kernel_tier]
     if getattr(args, "revision", None):
         flags += ["--revision", args.revision]
+    if getattr(args, "speculative_config", None) and role != "prefill":
+        flags += ["--speculative-config", args.speculative_config]
     from services.worker.parsers_config import forwarded_flags
 
     if role != "mixed" and getattr(args, "kv_require_client_cert", False):
@@ -205,12 +210,14 @@ def run(args: argparse.Namespace) -> int:
     from services.router.supervisor import RestartPolicy
     from services.worker.parsers_config import ParsersConfig
     from shared.config import kernel_tier_from_env
+    from shared.speculative_config import SpeculativeConfig
 
     if ensure_kv_secret(os.environ):
         print("[up] generated a random KV secret for this mesh (set PDMESH_KV_SECRET to choose "
               "one; it is never printed)", flush=True)
     try:
         kernel_tier_from_env(os.environ)  # the workers inherit it: refuse a bad one up front
+        SpeculativeConfig.parse(args.speculative_config)  # likewise, before any worker starts
         ParsersConfig.from_args(args, os.environ)  # likewise (and not a reason to go mixed)
         specs, url = plan(args, os.cpu_count() or 1)
         ssl_context = tls.from_args(args).client_context() if args.tls_cert else None

@@ -27,6 +27,7 @@ from shared.config import (
     DEFAULT_MODEL,
     DTYPE_CHOICES,
     KERNEL_TIER_ENV,
+    QUANT_ENCODER_CHOICES,
     EngineConfig,
     auto_dtype,
     hf_hub_cache_from_env,
@@ -35,8 +36,10 @@ from shared.config import (
 from shared.pipeline import config as pipeline_config
 from shared.pipeline.config import PipelineConfig
 from shared.protocol.pd import Role
+from shared.speculative_config import SpeculativeConfig
 
 API_KEY_ENV = "PDMESH_API_KEY"
+SPECULATIVE_CONFIG_ENV = "PDMESH_SPECULATIVE_CONFIG"
 DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
 
 
@@ -94,6 +97,9 @@ class WorkerConfig:
     generation_config: GenerationConfigMode = GenerationConfigMode.AUTO
 
     def __post_init__(self) -> None:
+        if self.pipeline.enabled and self.engine.speculative_config is not None:
+            raise ValueError("--speculative-config is not supported with --pp-size > 1 (the "
+                             "pipeline's last stage samples without the scheduler's drafts)")
         if self.pipeline.enabled and self.role is Role.DECODE:
             raise ValueError("--pp-size > 1 works for the mixed and prefill roles, not decode")
         if self.kv is not None:
@@ -146,7 +152,8 @@ class WorkerConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str]) -> WorkerConfig:
         """Flags win; `PDMESH_API_KEY` (comma separated) is used only when no --api-key is given,
-        `PDMESH_KERNEL_TIER` only when no --kernel-tier is. `PDMESH_KV_SECRET` is read by
+        `PDMESH_KERNEL_TIER` only when no --kernel-tier is, `PDMESH_SPECULATIVE_CONFIG` (compose
+        passes it to the decode workers; empty: off) only when no --speculative-config is. `PDMESH_KV_SECRET` is read by
         KVTransferConfig.from_args from the same mapping, the parser variables by
         ParsersConfig.from_args, and the Hugging Face cache of an org/name --model
         (HF_HUB_CACHE, HF_HOME...) by hf_hub_cache_from_env."""
@@ -174,8 +181,12 @@ class WorkerConfig:
             num_threads=args.threads,
             quantization=args.quantization,
             quantize_lm_head=args.quantize_lm_head,
+            quant_encoder=args.quant_encoder,
             seed=args.seed,
             kernel_tier=kernel_tier,
+            speculative_config=SpeculativeConfig.parse(  # typed here; EngineConfig re-parses
+                getattr(args, "speculative_config", None)
+                or environ.get(SPECULATIVE_CONFIG_ENV) or None),
         )
         role = Role(args.role)
         tls_files = tls.from_args(args)
@@ -276,7 +287,15 @@ def _add_engine_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> N
     eng.add_argument("--quantize-lm-head", action="store_true",
                      help="with --quantization: the (tied) LM head too (faster decode, higher "
                           "perplexity; see kernels/README.md)")
+    eng.add_argument("--quant-encoder", default=None, choices=QUANT_ENCODER_CHOICES,
+                     help="with --quantization: how block exponents are picked (ocp: the OCP "
+                          "rule; mse: least squared error per block; default mse)")
     eng.add_argument("--seed", type=int, default=d.seed)
     eng.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
                      help=f"highest native kernel tier to use (default: ${KERNEL_TIER_ENV}, "
                           "else auto: the fastest this CPU runs); see `pdmesh doctor`")
+    eng.add_argument("--speculative-config", default=None, metavar="JSON",
+                     help='speculative decoding, as vLLM takes it, e.g. \'{"method": "ngram", '
+                          '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                          '"prompt_lookup_max": 5, "disable_by_batch_size": 4}\' (decode and '
+                          'mixed workers; default: off)')

@@ -46,7 +46,10 @@ class EngineStatsCollector(Collector):
             ("prefix_cache_queries", "Prefix-cache queries, in tokens."),
             ("prefix_cache_hits", "Prefix-cache hits, in tokens."),
             ("non_finite_logits", "Requests failed because the model produced NaN or "
-                                  "infinite logits."))]
+                                  "infinite logits."),
+            ("spec_decode_num_drafts", "Speculative drafts proposed (a request in a step)."),
+            ("spec_decode_num_draft_tokens", "Speculative draft tokens proposed."),
+            ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."))]
         return g + c
 
     def describe(self) -> Iterator[Metric]:
@@ -59,10 +62,18 @@ class EngineStatsCollector(Collector):
         s = engine.stats()
         families = self._families()
         values = (s.num_running, s.num_waiting, s.kv_usage, s.num_preemptions,
-                  s.prefix_cache_queries, s.prefix_cache_hits, s.num_non_finite_logits)
+                  s.prefix_cache_queries, s.prefix_cache_hits, s.num_non_finite_logits,
+                  s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens)
         for family, value in zip(families, values, strict=True):
             family.add_metric([self._model], float(value))
             yield family
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative draft tokens accepted, per position in the draft.",
+            labels=["model_name", "position"])
+        for i, count in enumerate(s.spec_accepted_per_position):
+            per_position.add_metric([self._model, str(i)], float(count))
+        yield per_position
 
 
 class WorkerMetrics:

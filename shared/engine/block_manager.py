@@ -183,7 +183,11 @@ class KVCacheManager:
         return True
 
     def _drop_outside_window(self, request: Request) -> None:
-        """Release the request's blocks that no future query of any layer reads."""
+        """Release the request's blocks that no future query of any layer reads.
+
+        Invariant: num_computed_tokens never falls below its value here while the request
+        keeps its table (speculation rolls back only drafts scheduled after it; preemption
+        frees the whole table), so a dropped block is never needed again."""
         if self.sliding_window is None or request.hold_kv:
             return
         first_read = request.num_computed_tokens - self.sliding_window + 1
@@ -196,6 +200,17 @@ class KVCacheManager:
             dropped = table[live:dead]
             table[live:dead] = [DROPPED_BLOCK] * (dead - live)
             self._release(dropped)
+
+    def trim(self, request: Request) -> None:
+        """Free the blocks past request.num_computed_tokens (a rejected speculative draft's).
+
+        Those blocks never carry a prefix-cache key: keys are registered only up to
+        num_computed_tokens, which the caller has already rolled back.
+        """
+        keep = self.blocks_needed(request.num_computed_tokens)
+        if len(request.block_table) > keep:
+            extra, request.block_table = request.block_table[keep:], request.block_table[:keep]
+            self._release(extra)
 
     def _release(self, block_ids: list[int]) -> None:
         """Drop one reference from each block, tail-first (see module docstring); dropped

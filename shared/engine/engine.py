@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,12 +26,15 @@ from shared.engine.request import PrefilledKV, Request, RequestStatus
 from shared.engine.runner import CacheRunner, CausalLM, KVGeometry, ModelRunner
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
+from shared.engine.spec.drafter import Drafter, SpecDecodeStats
 from shared.engine.stats import EngineStats
 from shared.engine.structured import StructuredOutputRequest
 from shared.engine.structured_spec import InvalidStructuredOutput, StructuredOutputSpec
 from shared.model.config import ModelConfig
-from shared.model.quant import QuantConfig, QuantMethod
+from shared.model.loader import release_freed_heap
+from shared.model.quant import DEFAULT_ENCODER, QuantConfig, QuantMethod
 from shared.model.tokenizer import Tokenizer
+from shared.speculative_config import SpeculativeMethod
 
 log = logging.getLogger(__name__)
 NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this request"
@@ -65,7 +69,7 @@ class LLMEngine:
         self.scheduler = make_scheduler(self.kv) if make_scheduler is not None else Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill)
+            enable_chunked_prefill=config.enable_chunked_prefill, drafter=self._drafter())
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len)
         self.kv_stream = KVStreamTracker(config.block_size)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
@@ -73,6 +77,17 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer, self.eos_token_ids, config.grammar_cache_size)
         self.last_num_scheduled_tokens = 0
         self._pending: list[RequestOutput] = []  # outputs produced between steps
+
+    def _drafter(self) -> Drafter | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if spec.method is SpeculativeMethod.DRAFT_MODEL:
+            from shared.engine.spec.draft_model import build_draft_proposer
+
+            return Drafter(spec, self.max_model_len,
+                           build_draft_proposer(self.config, self.tokenizer))
+        return Drafter(spec, self.max_model_len)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -85,6 +100,7 @@ class LLMEngine:
         model, model_config = load_model(model_dir, config.dtype,
                                          quantization=_quant_config(config))
         _accelerate(model, config)
+        release_freed_heap()  # again: _accelerate repacks weights (load_model trimmed its own)
         return cls.from_model(config, model, model_config, Tokenizer(model_dir),
                               model_dir=model_dir,
                               fingerprint=open_checkpoint(model_dir).fingerprint())
@@ -258,7 +274,7 @@ class LLMEngine:
             self.abort_request(batch.requests[i].request_id, RequestStatus.FINISHED_ERROR,
                                NON_FINITE_LOGITS)
         for req in self.scheduler.update_from_output(batch, result.sampled_token_ids,
-                                                     result.logprobs):
+                                                     result.logprobs, result.draft_samples):
             outputs.append(self.output_processor.process(req))
             if req.is_finished:
                 self.scheduler.finish_request(req.request_id, req.status)
@@ -297,6 +313,8 @@ class LLMEngine:
         kv = self.kv
         runner = self.runner if isinstance(self.runner, ModelRunner) else None
         guard = runner.logits_guard if runner else None
+        drafter = self.scheduler.drafter
+        spec = drafter.stats if drafter is not None else SpecDecodeStats()
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_blocks,
@@ -306,7 +324,10 @@ class LLMEngine:
             num_non_finite_logits=guard.num_non_finite if guard else 0,
             non_finite_logits_at=guard.last_non_finite_at if guard else None,
             weights_bytes=runner.weights_bytes if runner else 0,
-            kv_cache_bytes=runner.kv_cache.nbytes if runner else 0)
+            kv_cache_bytes=runner.kv_cache.nbytes if runner else 0,
+            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=tuple(spec.accepted_per_position))
 
     def warmup(self) -> None:
         """Run one short request through every component, then forget it (cache, counters)."""
@@ -317,6 +338,11 @@ class LLMEngine:
             self.step()
         self.kv.reset_prefix_cache()
         self.scheduler.num_preemptions = 0
+        if self.scheduler.drafter is not None:
+            self.scheduler.drafter.stats = self.scheduler.drafter.new_stats()
+        # The first step allocates and frees its one-off buffers (prefill scratch, kernel
+        # set-up): give their pages back too, as after loading (release_freed_heap's why).
+        release_freed_heap()
         if isinstance(self.runner, ModelRunner) and self.runner.logits_guard.reset():
             log.warning("the warm-up request got NaN or infinite logits: the weights may be "
                         "broken (%s); every request will fail until they are fixed",
@@ -340,8 +366,9 @@ def _quant_config(config: EngineConfig) -> QuantConfig | None:
     what a pre-quantised checkpoint stores)."""
     if config.quantization is None:
         return None
-    return QuantConfig(method=QuantMethod(config.quantization),
-                       quantize_lm_head=True if config.quantize_lm_head else None)
+    quant = QuantConfig.parse(config.quantization, config.quant_encoder or DEFAULT_ENCODER)
+    assert quant is not None and quant.method is QuantMethod(config.quantization)
+    return replace(quant, quantize_lm_head=True if config.quantize_lm_head else None)
 
 
 def _accelerate(model: torch.nn.Module, config: EngineConfig) -> None:

@@ -21,13 +21,15 @@ def weight_transforms(config: EngineConfig) -> WeightTransforms:
     --quantize-lm-head the head follows the default of on-the-fly quantisation. A
     pre-quantised checkpoint is covered by its fingerprint (its files differ).
     """
-    from shared.model.quant import QuantConfig  # imports the kernels; only needed here
+    # imports the kernels; only needed here
+    from shared.model.quant import DEFAULT_ENCODER, QuantConfig
 
-    quant = QuantConfig.parse(config.quantization)
+    quant = QuantConfig.parse(config.quantization, config.quant_encoder or DEFAULT_ENCODER)
     if quant is None:
         return WeightTransforms()
     head = quant.method if (config.quantize_lm_head or quant.lm_head) else "dense"
-    return WeightTransforms(quantization=str(quant.method), lm_head=str(head))
+    return WeightTransforms(quantization=str(quant.method), lm_head=str(head),
+                            encoder=str(quant.encoder))
 
 
 def kv_spec_of(model_id: str, weights_fingerprint: str, engine: EngineConfig,
@@ -41,6 +43,12 @@ def kv_spec_of(model_id: str, weights_fingerprint: str, engine: EngineConfig,
     in the `rope` factor as `gemma.*` / `gpt_oss.*` keys: the weights fingerprint does not
     cover config.json, so they must be hashed here.
     """
+    # engine.speculative_config is deliberately not a factor: speculation runs on the decode
+    # side after the KV has moved and changes neither the target model nor its weights, so the
+    # prompt KV a prefill sends is the same with it on or off (a decode keeps its own drafts'
+    # KV and rolls rejected ones back locally; a draft model is prefilled on the decode worker
+    # from the prompt tokens, its KV never travels). Sending the draft's KV too would make
+    # the draft a factor; tests/kv_transfer/test_kv_compat.py classifies every field.
     rope = dataclasses.asdict(config.rope)
     for family in (config.gemma, config.gpt_oss):
         if family is not None:

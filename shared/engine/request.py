@@ -97,6 +97,10 @@ class Request:
     # The grammar state of a request with params.structured (set by the engine on add); every
     # appended output token advances it.
     structured: StructuredOutputRequest | None = None
+    # Speculative decoding: draft tokens this request proposed and had accepted (the drafter's
+    # per-request off switch reads them).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -87,11 +87,14 @@ class RunnerOutput:
     """Per request of the batch (same order): the sampled token, or None for a prefill chunk
     that did not reach the end of the prompt; logprobs likewise (None when not asked).
     `non_finite` lists the batch indices whose logits held NaN or inf: they got no token, and
-    the engine fails those requests (and only those)."""
+    the engine fails those requests (and only those). `draft_samples` (empty when no request
+    speculated): for a request with a draft, the target's sample at each of its 1 + len(draft)
+    positions (sampled_token_ids holds the first), else []."""
 
     sampled_token_ids: list[int | None]
     logprobs: list[TokenLogprob | None]
     non_finite: tuple[int, ...] = ()
+    draft_samples: tuple[list[int], ...] = ()
 
 
 class ModelRunner:
@@ -122,32 +125,55 @@ class ModelRunner:
         reqs, computed, sched = batch.requests, batch.num_computed_tokens, batch.num_scheduled_tokens
         ids: list[int] = []
         pos: list[int] = []
-        for r, c, n in zip(reqs, computed, sched, strict=True):
-            ids.extend(r.all_token_ids[c:c + n])
+        for i, (r, c, n) in enumerate(zip(reqs, computed, sched, strict=True)):
+            draft = batch.draft(i)  # computed after the known tokens (verified below)
+            ids.extend(r.all_token_ids[c:c + n - len(draft)])
+            ids.extend(draft)
             pos.extend(range(c, c + n))
         positions = torch.tensor(pos)  # (plain lists: cheaper than repeat_interleave here)
-        ends = torch.tensor(sched).cumsum(0)  # [B] exclusive end of each sequence in T
         meta = AttentionMetadata.build(computed, sched, [r.block_table for r in reqs],
                                        self.block_size)
         hidden = self.model(torch.tensor(ids), positions, meta, self.kv_cache)  # [T, hidden]
-        rows = [i for i, s in enumerate(batch.samples) if s]
+        return self._sample(batch, hidden)
+
+    def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> RunnerOutput:
+        """Logits at the last scheduled position of each sampling request (at its last
+        1 + len(draft) positions when it speculates), then one sampler call over them all."""
+        reqs = batch.requests
         tokens: list[int | None] = [None] * len(reqs)
         logprobs: list[TokenLogprob | None] = [None] * len(reqs)
-        if not rows:
+        # One logits row per sampled position: owner[j] its batch index, offset[j] its
+        # position after the request's known tokens, pick[j] its index in hidden's T axis.
+        owner: list[int] = []
+        offset: list[int] = []
+        pick: list[int] = []
+        end = 0
+        for i, n in enumerate(batch.num_scheduled_tokens):
+            end += n
+            if batch.samples[i]:
+                d = len(batch.draft(i))
+                owner += [i] * (d + 1)
+                offset += range(d + 1)
+                pick += range(end - d - 1, end)
+        if not owner:
             return RunnerOutput(tokens, logprobs)
-        last = (ends - 1)[rows] if len(rows) < len(reqs) else ends - 1
-        logits = self.model.compute_logits(hidden[last])  # [R, V] fp32
+        logits = self.model.compute_logits(hidden[pick] if len(pick) < len(hidden) else hidden)
         checked = self.logits_guard.check(logits)  # NaN/inf rows: sampled from zeros, dropped
-        logits, bad_rows = checked.logits, checked.bad_rows
-        out = self.sampler(logits, SamplingTensors.from_requests([reqs[i] for i in rows],
-                                                                  logits.shape[1]))
-        for j, i in enumerate(rows):
-            tokens[i] = out.token_ids[j]
-            if out.logprobs is not None:
-                logprobs[i] = out.logprobs[j]
-        for j in bad_rows:
-            tokens[rows[j]] = logprobs[rows[j]] = None
-        return RunnerOutput(tokens, logprobs, tuple(rows[j] for j in bad_rows))
+        spec = bool(batch.draft_token_ids)
+        out = self.sampler(checked.logits, SamplingTensors.from_requests(
+            [reqs[i] for i in owner], checked.logits.shape[1], offset if spec else None))
+        samples: list[list[int]] = [[] for _ in reqs] if spec else []
+        for j, i in enumerate(owner):
+            if offset[j] == 0:
+                tokens[i] = out.token_ids[j]
+                if out.logprobs is not None:
+                    logprobs[i] = out.logprobs[j]
+            if spec and batch.draft(i):
+                samples[i].append(out.token_ids[j])
+        bad = sorted({owner[j] for j in checked.bad_rows})
+        for i in bad:
+            tokens[i] = logprobs[i] = None
+        return RunnerOutput(tokens, logprobs, tuple(bad), tuple(samples))
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:

@@ -65,15 +65,20 @@ class SamplingTensors:
     grammar: GrammarMask | None = None  # rows with an active structured-output grammar
 
     @staticmethod
-    def from_requests(requests: list[Request], vocab_size: int) -> SamplingTensors:
+    def from_requests(requests: list[Request], vocab_size: int,
+                      offsets: list[int] | None = None) -> SamplingTensors:
+        """One row per entry of `requests`; offsets[i] (default 0): row i samples the token at
+        position requests[i].num_tokens + offsets[i] (a speculative draft's later positions:
+        the same request appears once per position)."""
         params = [r.params for r in requests]
+        pos = [r.num_tokens + (offsets[i] if offsets else 0) for i, r in enumerate(requests)]
         greedy = [p.temperature < _SAMPLING_EPS for p in params]
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
-        seeded = [(i, mix_seed(p.seed, r.num_tokens)) for i, (p, r) in
-                  enumerate(zip(params, requests, strict=True)) if p.seed is not None and not greedy[i]]
+        seeded = [(i, mix_seed(p.seed, pos[i])) for i, p in enumerate(params)
+                  if p.seed is not None and not greedy[i]]
         constrained = [(i, r.structured) for i, r in enumerate(requests)
                        if r.structured is not None and r.structured.needs_mask]
         masked_rows = {i for i, _ in constrained}

@@ -31,3 +31,9 @@ class EngineStats:
     # 0 where an engine does not hold them, e.g. a test stand-in).
     weights_bytes: int = 0
     kv_cache_bytes: int = 0
+    # Speculative decoding (cumulative, vLLM's spec_decode_* counters; 0 when it is off):
+    # steps in which a request got a draft, draft tokens proposed, draft tokens accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()  # [i]: drafts whose token i was accepted

@@ -40,6 +40,10 @@ PACKED_SUFFIXES = ("weight_blocks", "weight_scales")
 # 2026-12-03: 163 vs 130 and 186 vs 125 tok/s), but the quality cost is not a default
 # (llama.cpp's Q4_1 file keeps this head at Q8_0).
 DEFAULT_QUANTIZE_LM_HEAD = False
+# How block exponents are picked when quantising (kernels/mxfp4/encoder.py). MSE by default,
+# from benchmarks/perplexity.py on SmolLM2-135M (bf16, LM head dense, 2026-12-05): dense 26.86,
+# OCP exponents 43.95, MSE exponents 43.44 (its weight error is 6% lower: a small gain, free).
+DEFAULT_ENCODER = mxfp4.Encoder.MSE
 # Largest dequantised weight (bytes) kept in the shared prefill scratch; bigger weights (a
 # 49152-row LM head) run the fused kernel over 32-row slices instead of being dequantised.
 DEFAULT_SCRATCH_BYTES = 32 << 20
@@ -58,10 +62,13 @@ class QuantConfig:
     quantize_lm_head None means "the default" (DEFAULT_QUANTIZE_LM_HEAD for on-the-fly
     quantisation, what the checkpoint stores for a pre-quantised one). prequantized: the
     checkpoint stores `*_blocks` / `*_scales` for the quantised linears (copied in as they are).
-    backend is the kernels.mxfp4 backend (None: the fastest this machine runs).
+    backend is the kernels.mxfp4 backend (None: the fastest this machine runs). encoder picks
+    each block's shared exponent when dense weights are quantised (ignored for prequantized:
+    the stored bytes are used as they are).
     """
 
     method: QuantMethod = QuantMethod.MXFP4
+    encoder: mxfp4.Encoder = DEFAULT_ENCODER
     quantize_lm_head: bool | None = None
     prequantized: bool = False
     backend: str | None = None
@@ -81,19 +88,31 @@ class QuantConfig:
         return DEFAULT_QUANTIZE_LM_HEAD if self.quantize_lm_head is None else self.quantize_lm_head
 
     @staticmethod
-    def parse(value: QuantConfig | str | None) -> QuantConfig | None:
-        """EngineConfig.quantization (None | "mxfp4") or a QuantConfig -> QuantConfig | None."""
+    def parse(value: QuantConfig | str | None,
+              encoder: mxfp4.Encoder | str = DEFAULT_ENCODER) -> QuantConfig | None:
+        """EngineConfig.quantization (None | "mxfp4") and quant_encoder ("ocp" | "mse"), or a
+        QuantConfig (taken as it is) -> QuantConfig | None."""
         if value is None or isinstance(value, QuantConfig):
             return value
         try:
-            return QuantConfig(method=QuantMethod(value))
+            method = QuantMethod(value)
         except ValueError:
             raise ValueError(f"unsupported quantization {value!r} (supported: mxfp4)") from None
+        return QuantConfig(method=method, encoder=parse_encoder(encoder))
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json `quantization_config` entry of a checkpoint written with this."""
         keep = ["model.embed_tokens"] + ([] if self.lm_head else ["lm_head"])
         return {"quant_method": str(self.method), "modules_to_not_convert": keep}
+
+
+def parse_encoder(value: mxfp4.Encoder | str) -> mxfp4.Encoder:
+    """"ocp" | "mse" -> mxfp4.Encoder; raises ValueError naming the choices."""
+    try:
+        return mxfp4.Encoder(value)
+    except ValueError:
+        choices = ", ".join(e.value for e in mxfp4.Encoder)
+        raise ValueError(f"unsupported MXFP4 encoder {value!r} (supported: {choices})") from None
 
 
 def resolve_quantization(requested: QuantConfig | str | None, hf_config: Mapping[str, Any] | None,
@@ -169,7 +188,8 @@ class MXFP4Linear(nn.Module):
     weight_scales: torch.Tensor
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
-                 path: mxfp4.KernelPath, scratch: DequantScratch) -> None:
+                 path: mxfp4.KernelPath, scratch: DequantScratch,
+                 encoder: mxfp4.Encoder = DEFAULT_ENCODER) -> None:
         super().__init__()
         if in_features % BLOCK:
             raise ValueError(f"MXFP4 needs in_features to be a multiple of {BLOCK}, "
@@ -181,17 +201,17 @@ class MXFP4Linear(nn.Module):
         self.register_buffer("weight_scales", torch.empty(out_features, groups, dtype=torch.uint8))
         self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False) if bias
                      else None)  # inference only: the C++ op has no autograd
-        self.path, self.scratch = path, scratch
+        self.path, self.scratch, self.encoder = path, scratch, encoder
         # The C++ op (None on the reference backend): called without KernelPath's per-call
         # checks, which cost ~10 us against a ~30 us GEMV; forward() vets x instead.
         self._op = None if path.library is None else path.library.ops.linear
         self._path_id = None if path.library is None else path.backend.path_id
 
     @classmethod
-    def like(cls, linear: nn.Linear, path: mxfp4.KernelPath,
-             scratch: DequantScratch) -> MXFP4Linear:
+    def like(cls, linear: nn.Linear, path: mxfp4.KernelPath, scratch: DequantScratch,
+             encoder: mxfp4.Encoder = DEFAULT_ENCODER) -> MXFP4Linear:
         return cls(linear.in_features, linear.out_features, linear.bias is not None, path,
-                   scratch)
+                   scratch, encoder)
 
     def fusable(self, mxfp4_path: int) -> bool:
         """Whether kernels.dense's fused decoder layer, which calls the full library's linear
@@ -244,7 +264,7 @@ class MXFP4Linear(nn.Module):
             raise ValueError(f"weight {name!r} is {src.dtype} {tuple(src.shape)}, expected "
                              f"{dtype or 'float'} {shape}")
         if attr == "weight":
-            blocks, scales = self.path.quantize(src)
+            blocks, scales = self.path.quantize(src, self.encoder)
             self.weight_blocks[lo:hi].copy_(blocks)
             self.weight_scales[lo:hi].copy_(scales)
         else:
@@ -252,7 +272,8 @@ class MXFP4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, backend={self.path.backend}")
+                f"bias={self.bias is not None}, backend={self.path.backend}, "
+                f"encoder={self.encoder}")
 
 
 def quantize_linears(model: nn.Module, quant: QuantConfig, lm_head_name: str = "lm_head") -> int:
@@ -272,7 +293,8 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, lm_head_name: str = "
             if full != lm_head_name and quant.keeps(full):
                 continue
             with child.weight.device:  # meta stays meta: to_empty allocates it later
-                setattr(parent, child_name, MXFP4Linear.like(child, path, scratch))
+                setattr(parent, child_name,
+                        MXFP4Linear.like(child, path, scratch, quant.encoder))
             count += 1
     return count
 

@@ -6,7 +6,7 @@ everything else (embeddings, norms, biases) is copied unchanged, in its stored d
 quantize_lm_head the head is packed too: an untied `lm_head.weight` is replaced, and with
 tied embeddings `lm_head.weight_*` is added beside the dense embedding. Quantisation uses
 the stored tensor itself (not a dtype-converted copy), exactly as on-the-fly loading does,
-so both give bit-identical packed weights. Tensors are streamed one at a time and written in
+so both give bit-identical packed weights (with the same encoder). Tensors are streamed one at a time and written in
 shards of at most max_shard_bytes.
 """
 
@@ -59,13 +59,13 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _pack(name: str, tensor: torch.Tensor, backend: str | None,
+def _pack(name: str, tensor: torch.Tensor, quant: QuantConfig,
           tally: _Tally) -> Iterator[tuple[str, torch.Tensor]]:
     """`name` [out, in] -> (`name`_blocks, blocks), (`name`_scales, scales)."""
     if tensor.dim() != 2 or tensor.shape[-1] % 32:
         raise ValueError(f"cannot quantise {name!r} {tuple(tensor.shape)}: MXFP4 needs a 2-D "
                          "weight with in_features a multiple of 32")
-    packed = mxfp4.quantize(tensor, backend=backend)
+    packed = mxfp4.quantize(tensor, backend=quant.backend, encoder=quant.encoder)
     tally.quantized += 1
     tally.dense_bytes += _nbytes(tensor)
     tally.packed_bytes += sum(_nbytes(t) for t in packed)
@@ -80,12 +80,12 @@ def _converted(model_dir: Path, quant: QuantConfig, tied: bool,
         if tied and head:
             continue  # HF ignores a stored head when tied; a packed one is derived below
         if _LINEAR.search(name) or (head and quant.lm_head):
-            yield from _pack(name, tensor, quant.backend, tally)
+            yield from _pack(name, tensor, quant, tally)
             continue
         tally.copied += 1
         yield name, tensor
         if tied and quant.lm_head and _EMBED.search(name):
-            yield from _pack("lm_head.weight", tensor, quant.backend, tally)
+            yield from _pack("lm_head.weight", tensor, quant, tally)
 
 
 def write_quantized_checkpoint(in_dir: Path, out_dir: Path, quant: QuantConfig,

@@ -81,6 +81,11 @@ class PipelineEngine(LLMEngine):
             raise ValueError("PipelineEngine needs pp_size >= 2 (use LLMEngine for one stage)")
         if config.quantization is not None:
             raise NotImplementedError("quantized models are not pipelined yet")
+        if config.speculative_config is not None:
+            # The last stage samples one token per request from the lanes' batches; drafts and
+            # their verification are not carried through the stages.
+            raise ValueError("speculative_config is not supported with pp_size > 1 "
+                             "(pipeline-parallel engines decode one token per step)")
         model_dir = resolve_model(config.model, config.resolved_cache_dir,
                                   revision=config.revision, hub_cache=config.hf_hub_cache)
         ckpt = open_checkpoint(model_dir)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from shared.engine.block_manager import KVCacheManager
 from shared.engine.request import Request, RequestStatus
 from shared.engine.scheduler import ScheduledBatch, Scheduler
+from shared.engine.spec.drafter import Drafter
 from shared.pipeline.handoff import TokenHandoff
 
 
@@ -56,6 +57,8 @@ class LaneScheduler:
                                         enable_chunked_prefill=enable_chunked_prefill))
                       for i in range(num_lanes)]
         self.requests: dict[str, Request] = {}
+        # Scheduler's surface: pipelines never speculate (PipelineEngine refuses the config).
+        self.drafter: Drafter | None = None
         self._lane_of: dict[str, Lane] = {}
         self._on_finish = on_finish
         self._cursor = 0

@@ -53,6 +53,8 @@ class WeightTransforms:
 
     quantization: str = "none"  # format of the decoder's linear layers: "none" | "mxfp4"
     lm_head: str = "dense"  # format of the LM head (it samples the prefill's first token)
+    # How the quantised blocks' exponents were chosen ("ocp" | "mse"): same format, other bytes.
+    encoder: str = "none"
 
     def items(self) -> tuple[tuple[str, str], ...]:
         """Canonical (name, value) pairs, sorted: the factor's hashable form."""

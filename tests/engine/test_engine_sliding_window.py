@@ -5,8 +5,9 @@ The block bookkeeping is checked against hand-computed ids; generation against H
 (fp32, greedy, batched) on random Mistral (every layer slides) and Qwen2 (a full layer and a
 sliding one, where nothing may be dropped) checkpoints whose window is much shorter than the
 prompts, under chunked prefill, prefix-cache hits and forced preemption; the native bf16 path
-against HF teacher-forced over the native engine's own tokens; and a Gemma 2 sliding every
-layer (a family whose config places its own windows) dropping blocks the same way.
+against HF teacher-forced over the native engine's own tokens; speculative decoding with a
+draft model (rejections roll back); and a Gemma 2 sliding every layer (a family whose config
+places its own windows) dropping blocks the same way.
 """
 
 from __future__ import annotations
@@ -208,6 +209,28 @@ def _block_bytes(ckpt: Path) -> int:
 
     c = read_config(ckpt)
     return c.num_layers * 2 * BS * c.num_kv_heads * c.head_dim * 4
+
+
+def test_speculation_with_a_window_matches_hf(case, make_checkpoint) -> None:
+    """Speculative decoding over a windowed target: verify steps drop blocks before the
+    window as plain steps do (rejected drafts roll back only past that point). A windowed
+    draft model of another seed drafts every step and is often rejected (the target trims,
+    the draft's shadow rolls back), and the tokens are still HF's greedy ones."""
+    name, ckpt, hf, _ = case
+    from tests.engine.test_spec_decode import repeating_prompts
+
+    prompts = [p * 4 for p in repeating_prompts(3)]  # past the window
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    other = make_checkpoint(**{**SPECS[name], "seed": 11})
+    engine = _engine(ckpt, speculative_config={
+        "method": "draft_model", "model": str(other), "num_speculative_tokens": 3,
+        "min_acceptance_rate": 0.0})
+    outs = run_engine(engine, prompts, [params] * len(prompts))
+    assert [outs[i].token_ids for i in range(len(prompts))] == [
+        hf_greedy(hf, p, 24) for p in prompts]
+    s = engine.stats()
+    assert 0 < s.spec_num_draft_tokens and s.spec_num_accepted_tokens < s.spec_num_draft_tokens
+    assert_all_blocks_free(engine)
 
 
 # ---- the native bf16 path ---------------------------------------------------------------------

@@ -10,8 +10,8 @@ cannot execute it):
   (AVX-512: 16 lanes per vector; AVX2: 8 lanes in four fixed chains), so they agree only to
   within that bound.
 - Within a tier: bit-identical for 1 and 2 threads (outputs are split across threads, never a
-  sum). The AVX2 tier also gives a row the same bits whatever batch it comes in (its summation
-  order is fixed per output); the AVX-512 tiles do not promise that.
+  sum), and a row gets the same bits whatever batch of up to 32 it comes in (each tier's
+  summation order is fixed per output: speculative decoding's verify rows rely on it).
 - What the kernels do not take (prefill rows, fp32 weights): exactly torch's F.linear.
 """
 
@@ -174,16 +174,15 @@ def test_torch_runs_what_the_kernels_do_not_take(backend: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32x", "bf16x"])
-def test_avx2_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
-    """AVX2 sums each output in one fixed order: a row alone, or at any place in a batch of up
-    to 32 (every tile shape, streaming and blocked), gets the same bits. (The AVX-512 kernels'
-    tiles sum differently per shape; their arithmetic predates the ladder and stays as is.)"""
-    path = dense_or_skip("avx2")
+def test_rows_do_not_depend_on_the_batch(dense_kernel: KernelPath, dtype: torch.dtype) -> None:
+    """Every tier sums each output in one fixed order: a row alone, or at any place in a batch
+    of up to 32 (every tile shape, streaming and blocked), gets the same bits."""
+    path = dense_kernel
     for in_f, out_f in [(576, 192), (1536, 576), (333, 37)]:
         w = _weight(in_f, out_f)
         x, b = _inputs(32, in_f, out_f, dtype, bias=True)
         batch = path.linear(x, w, b)
-        for m in (1, 2, 3, 5, 32):
+        for m in (1, 2, 3, 5, 7, 8, 16, 32):
             assert torch.equal(path.linear(x[:m], w, b), batch[:m])
         for r in (0, 7, 31):
             assert torch.equal(path.linear(x[r:r + 1], w, b), batch[r:r + 1])

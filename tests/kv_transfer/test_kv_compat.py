@@ -117,6 +117,7 @@ def test_pipeline_layout_stays_out_of_the_hash() -> None:
 HASHED = {  # field -> a value that must change the hash (from EngineConfig's defaults)
     "dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "quantization": "mxfp4",
     "quantize_lm_head": True,  # with quantization="mxfp4", against mxfp4 without the head
+    "quant_encoder": "ocp",  # with quantization="mxfp4", against the default (mse) exponents
 }
 # The checkpoint: the weights fingerprint and the served name (revision and hf_hub_cache pick
 # which snapshot of an org/name model is loaded, like model itself).
@@ -131,6 +132,10 @@ KV_NEUTRAL = {  # field -> another value that must leave the hash alone
     "kernel_tier": "reference",
     # Structured output masks the sampler; the KV of a prompt is the same either way.
     "grammar_cache_size": 2, "grammar_compile_timeout_s": 1.0,
+    # Speculation runs on the decode side only, after the KV has moved: the KV a prefill sends
+    # is the target's either way (a decode writes its drafts' KV into its own cache and rolls
+    # rejected ones back locally; a draft model is prefilled there from the prompt tokens).
+    "speculative_config": {"method": "ngram", "num_speculative_tokens": 4},
 }
 
 
@@ -154,7 +159,8 @@ def test_every_engine_setting_is_classified() -> None:
 
 @pytest.mark.parametrize("name", sorted(HASHED))
 def test_settings_that_change_kv_bytes_change_the_hash(name: str, model_config) -> None:
-    base = EngineConfig(quantization="mxfp4") if name == "quantize_lm_head" else EngineConfig()
+    with_quant = ("quantize_lm_head", "quant_encoder")
+    base = EngineConfig(quantization="mxfp4") if name in with_quant else EngineConfig()
     changed = dataclasses.replace(base, **{name: HASHED[name]})
     assert _hash(changed, model_config) != _hash(base, model_config)
 
@@ -176,20 +182,25 @@ def test_quantised_and_dense_workers_differ_in_one_named_factor(model_config) ->
     assert "'quantization': 'none'" in diff.local and "'quantization': 'mxfp4'" in diff.remote
 
 
-@pytest.mark.parametrize("quantization, head", [(None, False), ("mxfp4", False), ("mxfp4", True)])
+@pytest.mark.parametrize("quantization, head, encoder",
+                         [(None, False, None), ("mxfp4", False, None), ("mxfp4", True, "ocp")])
 def test_weight_transforms_say_what_the_engine_loaded(ckpt: Path, quantization: str | None,
-                                                      head: bool) -> None:
+                                                      head: bool, encoder: str | None) -> None:
     """The factor is derived from the configuration; the loaded model is the reference."""
     from shared.engine.engine import LLMEngine
     from shared.model.quant import MXFP4Linear
 
     config = EngineConfig(model=str(ckpt), quantization=quantization, quantize_lm_head=head,
+                          quant_encoder=encoder,
                           kv_cache_memory_bytes=4 << 20, num_threads=1)
     model = LLMEngine.from_config(config).runner.model
     decoder_quantised = any(isinstance(m, MXFP4Linear) for m in model.layers.modules())
+    encoders = {m.encoder for m in model.modules() if isinstance(m, MXFP4Linear)}
     loaded = WeightTransforms(quantization="mxfp4" if decoder_quantised else "none",
                               lm_head="mxfp4" if isinstance(model.lm_head, MXFP4Linear)
-                              else "dense")
+                              else "dense",
+                              encoder=str(encoders.pop()) if encoders else "none")
+    assert not encoders
     assert weight_transforms(config) == loaded
 
 

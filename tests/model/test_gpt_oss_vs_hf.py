@@ -11,46 +11,22 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GptOssConfig, GptOssForCausalLM
+from transformers import GptOssForCausalLM
 
 from kernels import mxfp4
 from shared.model.gpt_oss import GptOssForCausalLM as Ours
 from shared.model.loader import load_model
 from shared.model.quant import MXFP4Linear
+from tests.support.gpt_oss_ckpt import WINDOW, write_gpt_oss
 from tests.support.model import PagedRunner, random_ids
 
-VOCAB, WINDOW = 256, 8
+VOCAB = 256
 ATOL, RTOL = 1e-4, 1e-5
-
-
-def _write(path: Path, seed: int) -> Path:
-    torch.manual_seed(seed)
-    cfg = GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-        num_experts_per_tok=2, sliding_window=WINDOW, max_position_embeddings=512,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
-                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                         "original_max_position_embeddings": 64},
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    model = GptOssForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif "sinks" in name:
-                p.normal_(0.0, 1.0)
-            elif "router" in name:
-                p.normal_(0.0, 0.5)
-            else:
-                p.normal_(0.0, 0.15)
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _write(tmp_path_factory.mktemp("gpt-oss"), seed=0)
+    return write_gpt_oss(tmp_path_factory.mktemp("gpt-oss"), seed=0, vocab_size=VOCAB)
 
 
 def _hf(path: Path) -> GptOssForCausalLM:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
+import os
+import platform
 import shutil
 from pathlib import Path
 
@@ -17,6 +21,7 @@ from shared.model.loader import (
     iter_weights,
     load_model,
     open_checkpoint,
+    release_freed_heap,
     weight_files,
     weights_fingerprint,
 )
@@ -144,3 +149,27 @@ def test_bfloat16_is_as_close_to_fp32_as_hf_bf16(make_checkpoint) -> None:
         ref16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)(torch.tensor([ids])).logits[0]
     hf_err = (ref16.float() - ref32).abs().max()
     assert (got - ref32).abs().max() <= 2 * hf_err
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_release_freed_heap_returns_freed_arena_pages() -> None:
+    """Freed small blocks under a live one stay resident (an arena shrinks only from its top)
+    until release_freed_heap; plain libc malloc/free is the reference, not torch."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def rss_mib() -> float:
+        pages = int(Path(f"/proc/{os.getpid()}/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    size, count = 64 << 10, 2048  # 128 MiB of blocks below the mmap threshold: heap pages
+    blocks = [libc.malloc(size) for _ in range(count)]
+    for b in blocks:
+        ctypes.memset(b, 1, size)
+    for b in blocks[:-1]:  # the last one pins the arena's top
+        libc.free(b)
+    before = rss_mib()
+    assert release_freed_heap()
+    assert before - rss_mib() > 64
+    libc.free(blocks[-1])

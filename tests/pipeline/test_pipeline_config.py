@@ -98,3 +98,13 @@ def test_mirror_update_is_empty_bytes_when_there_is_nothing_to_say():
     record = RequestRecord(3, "r", [1, 2], [5], SamplingParams(seed=1), frozenset({2}))
     update = MirrorUpdate([record], [1, 2])
     assert MirrorUpdate.decode(update.encode()) == update
+
+
+def test_the_pipeline_engine_refuses_speculative_decoding():
+    """Refused before any stage process starts, naming the option."""
+    from shared.config import EngineConfig
+    from shared.pipeline.engine import PipelineEngine
+
+    config = EngineConfig(speculative_config={"method": "ngram"})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="speculative_config"):
+        PipelineEngine(config, PipelineConfig(pp_size=2))

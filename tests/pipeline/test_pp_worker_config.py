@@ -58,3 +58,14 @@ def test_serve_flags_build_a_pp_prefill() -> None:
     config = WorkerConfig.from_args(args, {})
     assert config.pipeline.pp_size == 2 and config.kv is not None
     assert (config.kv.pp_size, config.kv.mode, config.kv.role) == (2, "push", "prefill")
+
+
+def test_a_pipelined_worker_refuses_speculative_decoding() -> None:
+    """Pipeline stages decode one token per step: --speculative-config is refused up front."""
+    from shared.config import EngineConfig
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="--speculative-config"):
+        WorkerConfig(engine=EngineConfig(speculative_config=spec),  # type: ignore[arg-type]
+                     pipeline=PipelineConfig(pp_size=2))
+    WorkerConfig(engine=EngineConfig(speculative_config=spec))  # type: ignore[arg-type]

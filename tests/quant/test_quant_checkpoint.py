@@ -13,7 +13,7 @@ import torch
 from kernels import mxfp4
 from services.cli import main as cli_main
 from shared.model.loader import iter_weights, load_model, open_checkpoint, stored_tensor_names
-from shared.model.quant import QuantConfig
+from shared.model.quant import DEFAULT_ENCODER, QuantConfig
 from shared.model.quant_checkpoint import write_quantized_checkpoint
 from tests.support.quant import PROMPTS, engine_from, greedy, quantized_modules
 
@@ -30,9 +30,10 @@ def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 
 @pytest.mark.parametrize(("flag", "head"), [("--lm-head", True), ("--no-lm-head", False)])
-def test_written_checkpoint_layout(tiny_untied, tmp_path, flag, head):
+@pytest.mark.parametrize("method", [None, "ocp", "mse"])
+def test_written_checkpoint_layout(tiny_untied, tmp_path, flag, head, method):
     out = tmp_path / "q"
-    assert quantize_cli(tiny_untied, out, flag) == 0
+    assert quantize_cli(tiny_untied, out, flag, *(["--method", method] if method else [])) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "mxfp4"
     assert ("lm_head" in config["quantization_config"]["modules_to_not_convert"]) != head
@@ -42,7 +43,10 @@ def test_written_checkpoint_layout(tiny_untied, tmp_path, flag, head):
     source = dict(iter_weights(open_checkpoint(tiny_untied).weight_files))
     q = "model.layers.0.self_attn.q_proj.weight"
     assert q not in stored
-    blocks, scales = mxfp4.quantize(source[q], backend="reference")
+    encoder = mxfp4.Encoder(method) if method else DEFAULT_ENCODER
+    blocks, scales = mxfp4.quantize(source[q], backend="reference", encoder=encoder)
+    if method == "ocp":  # the plain OCP rule, the reference's own quantize
+        assert torch.equal((blocks, scales)[1], mxfp4.reference.quantize(source[q])[1])
     assert torch.equal(stored[q + "_blocks"], blocks) and torch.equal(stored[q + "_scales"], scales)
     assert ("lm_head.weight_blocks" in stored) == head and ("lm_head.weight" in stored) != head
     assert torch.equal(stored["model.embed_tokens.weight"], source["model.embed_tokens.weight"])

@@ -39,16 +39,18 @@ def test_swap_covers_every_decoder_linear(tiny_untied, quantize_lm_head):
     assert not any(type(m) is nn.Linear for n, m in model.named_modules() if n != "lm_head")
 
 
-def test_loaded_packing_equals_reference_quantize(tiny_untied):
+@pytest.mark.parametrize("encoder", list(mxfp4.Encoder))
+def test_loaded_packing_equals_reference_quantize(tiny_untied, encoder):
     """Each HF tensor (q, k, v...) is quantised into its slice of the fused module."""
     model, config = load_model(tiny_untied, "bfloat16",
-                               quantization=QuantConfig(quantize_lm_head=True))
+                               quantization=QuantConfig(quantize_lm_head=True, encoder=encoder))
     stored = dict(iter_weights(open_checkpoint(tiny_untied).weight_files))
     qkv = model.layers[1].self_attn.qkv_proj
     fused = torch.cat([stored[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
-    blocks, scales = mxfp4.quantize(fused, backend="reference")  # from the stored fp32 values
+    blocks, scales = mxfp4.quantize(fused, backend="reference", encoder=encoder)  # stored fp32
     assert torch.equal(qkv.weight_blocks, blocks) and torch.equal(qkv.weight_scales, scales)
-    head_blocks, head_scales = mxfp4.quantize(stored["lm_head.weight"], backend="reference")
+    head_blocks, head_scales = mxfp4.quantize(stored["lm_head.weight"], backend="reference",
+                                              encoder=encoder)
     assert torch.equal(model.lm_head.weight_blocks, head_blocks)
     assert torch.equal(model.lm_head.weight_scales, head_scales)
     assert config.vocab_size == model.lm_head.out_features

@@ -257,3 +257,13 @@ def test_every_mesh_process_gets_one_generated_kv_secret(resolved, tmp_path):
     assert kv_secret_from_env({"PDMESH_KV_SECRET_FILE": str(here)}) == secret
     other = kv_secret_from_env({"PDMESH_KV_SECRET": "x" * 20, "PDMESH_KV_SECRET_FILE": str(here)})
     assert other == b"x" * 20  # the variable wins over the file
+
+
+def test_speculation_reaches_the_decode_workers_only(resolved):
+    """PDMESH_SPECULATIVE_CONFIG goes to the decode service (empty: off), which keeps every
+    other worker variable; the prefill never speculates (its KV is the same either way)."""
+    services = resolved["services"]
+    decode, prefill = services["decode"]["environment"], services["prefill"]["environment"]
+    assert decode["PDMESH_SPECULATIVE_CONFIG"] == ""
+    assert "PDMESH_SPECULATIVE_CONFIG" not in prefill
+    assert set(prefill) <= set(decode)

@@ -12,7 +12,7 @@ from shared.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.model.llama import LlamaForCausalLM
-from shared.model.quant import MXFP4Linear
+from shared.model.quant import DEFAULT_ENCODER, MXFP4Linear
 from shared.model.tokenizer import Tokenizer
 
 ENGINE = {"kv_cache_memory_bytes": 4 << 20, "num_threads": 1}
@@ -28,9 +28,11 @@ def random_prompts(lengths: list[int], seed: int = 3) -> list[list[int]]:
 PROMPTS = random_prompts([5, 17, 40, 70])
 
 
-def reference_dequantised(w: torch.Tensor) -> torch.Tensor:
-    """W -> dequantize(quantize(W)) on the plain-torch oracle, fp32."""
-    blocks, scales = mxfp4.quantize(w, backend="reference")
+def reference_dequantised(w: torch.Tensor,
+                          encoder: mxfp4.Encoder = DEFAULT_ENCODER) -> torch.Tensor:
+    """W -> dequantize(quantize(W)) on the plain-torch oracle, fp32 (the loader's default
+    encoder unless told)."""
+    blocks, scales = mxfp4.quantize(w, backend="reference", encoder=encoder)
     return mxfp4.dequantize(blocks, scales, torch.float32, backend="reference")
 
 

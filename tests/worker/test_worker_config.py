@@ -44,6 +44,11 @@ def test_quantization_flags() -> None:
     assert not parse(["--quantization", "mxfp4"]).engine.quantize_lm_head
     with pytest.raises(ValueError, match="needs quantization"):
         parse(["--quantize-lm-head"])
+    assert parse(["--quantization", "mxfp4"]).engine.quant_encoder is None  # the default
+    e = parse(["--quantization", "mxfp4", "--quant-encoder", "ocp"]).engine
+    assert e.quant_encoder == "ocp"
+    with pytest.raises(SystemExit):
+        parse(["--quantization", "mxfp4", "--quant-encoder", "best"])
 
 
 def test_defaults() -> None:
@@ -63,6 +68,19 @@ def test_engine_failure_drain_flag() -> None:
 def test_api_keys_flags_win_over_env() -> None:
     assert parse([], {"PDMESH_API_KEY": "x, y,"}).api_keys == ("x", "y")
     assert parse(["--api-key", "a", "--api-key", "b"], {"PDMESH_API_KEY": "x"}).api_keys == ("a", "b")
+
+
+def test_speculative_config_flag_wins_over_env() -> None:
+    """compose hands the decode workers PDMESH_SPECULATIVE_CONFIG; empty means off."""
+    env = {"PDMESH_SPECULATIVE_CONFIG": '{"method": "ngram", "num_speculative_tokens": 3}'}
+    spec = parse([], env).engine.speculative_config
+    assert spec is not None and (spec.method.value, spec.num_speculative_tokens) == ("ngram", 3)
+    assert parse([], {"PDMESH_SPECULATIVE_CONFIG": ""}).engine.speculative_config is None
+    flag = '{"method": "ngram", "num_speculative_tokens": 5}'
+    spec = parse(["--speculative-config", flag], env).engine.speculative_config
+    assert spec is not None and spec.num_speculative_tokens == 5
+    with pytest.raises(ValueError, match="method"):
+        parse([], {"PDMESH_SPECULATIVE_CONFIG": '{"method": "nope"}'})
 
 
 def test_revision_flag_and_hub_cache_env_reach_engine_config(tmp_path: Path) -> None:

@@ -62,3 +62,23 @@ async def test_registries_are_per_app(client: TestClient) -> None:
         assert value(await scrape(client), "pdmesh:generation_tokens_total") == 0
     finally:
         await other.close()
+
+
+def test_spec_decode_counters_under_vllm_names() -> None:
+    from services.worker.metrics import EngineStatsCollector
+    from shared.engine.stats import EngineStats
+
+    class Engine:
+        def stats(self) -> EngineStats:
+            return EngineStats(0, 0, 8, 8, 0.0, 0, 0, 0, 16, 0, spec_num_drafts=3,
+                               spec_num_draft_tokens=11, spec_num_accepted_tokens=7,
+                               spec_accepted_per_position=(3, 3, 1))
+
+    collector = EngineStatsCollector(lambda: Engine(), MODEL)  # type: ignore[arg-type,return-value]
+    got = {(s.name, s.labels.get("position")): s.value for family in collector.collect()
+           for s in family.samples}
+    assert got["pdmesh:spec_decode_num_drafts_total", None] == 3
+    assert got["pdmesh:spec_decode_num_draft_tokens_total", None] == 11
+    assert got["pdmesh:spec_decode_num_accepted_tokens_total", None] == 7
+    per_pos = "pdmesh:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [got[per_pos, str(i)] for i in range(3)] == [3, 3, 1]

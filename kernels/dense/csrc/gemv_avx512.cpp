@@ -2,11 +2,17 @@
 // for the few rows (1..32) of a decode step. Bandwidth bound at small m: every weight is read
 // once per call, streamed straight from the caller's tensor (no packed copy).
 //
-// Tiling: C weight rows (1, or 4 once x outgrows L1) against R rows of x, one 16-lane fp32
-// accumulator per pair (times U when R * C is small, to hide latency), reduced horizontally at
-// the end of the K sweep; the weight rows stay in L1 while every row chunk of x passes over
-// them (see kStreaming / kBlocked). K tails are masked loads (zeros in, so an Inf or NaN past
-// a row cannot leak in); the FMA kernel's x is zero-padded instead.
+// Tiling: C weight rows (1, or 2 once x outgrows L1) against R rows of x, kU 16-lane fp32
+// accumulators per pair (independent chains that hide the FMA / vdpbf16ps latency), reduced
+// horizontally at the end of the K sweep; the weight rows stay in L1 while every row chunk of x
+// passes over them (see kStreaming / kBlocked). K tails are masked loads (zeros in, so an Inf
+// or NaN past a row cannot leak in); the FMA kernel's x is zero-padded instead.
+// Summation order, fixed for every output whatever m, the tile or the thread split (batch
+// invariance: a row gets the same bits alone or in any batch of up to 32, which speculative
+// decoding's verify rows need to reproduce one-row decode exactly): full 32-element chunk i of
+// the first kU * floor(full / kU) chunks goes into chain i % kU, the remaining full chunks and
+// the K tail into chain 0; then ((c0 + c1) + c2) + c3, and one horizontal tree (reduce1 ==
+// lane 0 of reduce4).
 // FMA kernel (fp32 x): weights widened to fp32 by shifts (exact), fp32 FMA accumulation.
 // dpbf16 kernel (bf16 x, avx512_bf16): vdpbf16ps, 32 MACs per instruction, exact bf16 products
 // with fp32 accumulation; like every vdpbf16ps it treats subnormal inputs as zero.
@@ -106,6 +112,13 @@ inline void store_one(const GemvArgs& a, int64_t r, int64_t n, float sum) {
   }
 }
 
+// The same tree as reduce4 for one vector (lane 0 of reduce4(a, a, a, a)): every tile sums alike.
+inline float reduce1(__m512 a) {
+  const __m256 b = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(b, b), _mm256_hadd_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
 // y[r0 : r0 + R, n : n + C] = horizontal sums of acc + bias.
 template <int R, int C>
 inline void store(const GemvArgs& a, int64_t r0, int64_t n, __m512 (&acc)[R][C]) {
@@ -118,16 +131,21 @@ inline void store(const GemvArgs& a, int64_t r0, int64_t n, __m512 (&acc)[R][C])
         _mm_store_ps(s + r, reduce4(acc[r][c], acc[r + 1][c], acc[r + 2][c], acc[r + 3][c]));
       }
     } else {
-      for (int r = 0; r < R; ++r) s[r] = _mm512_reduce_add_ps(acc[r][c]);
+      for (int r = 0; r < R; ++r) s[r] = reduce1(acc[r][c]);
     }
     for (int r = 0; r < R; ++r) store_one(a, r0 + r, n + c, s[r]);
   }
 }
 
-// y[r0 : r0 + R, n : n + C] over the whole K: U independent accumulator sets over alternating
-// chunks (enough dependency chains to hide the vdpbf16ps / FMA latency when R * C is small).
-template <bool kDp, int R, int C, int U>
+// Chains per output: the same for every tile, so that the summation order is (header).
+constexpr int kU = 4;
+
+// y[r0 : r0 + R, n : n + C] over the whole K: kU independent accumulator sets over alternating
+// chunks. R * C <= 4 keeps the 4 * R * C accumulators, C weights and an x in the 32 registers.
+template <bool kDp, int R, int C>
 void tile(const GemvArgs& a, int64_t r0, int64_t n) {
+  constexpr int U = kU;
+  static_assert(R * C <= 4, "accumulators would spill");
   __m512 acc[U][R][C];
 #pragma GCC unroll 16
   for (int i = 0; i < U * R * C; ++i) acc[i / (R * C)][i / C % R][i % C] = _mm512_setzero_ps();
@@ -161,21 +179,20 @@ struct RowKernel {
 // Streaming (x fits in L1): one weight row at a time, against every row chunk of x, so the
 // weights stream in address order; interleaving even 2-4 rows' streams measured 1.5-2.5x
 // slower at m = 1..8 on Zen 4 (its prefetchers then track each short row as its own stream).
-// Blocked (x spills out of L1, so x loads cost more than the weight stream's order): 4 weight
-// rows share each x load.
+// Blocked (x spills out of L1, so x loads cost more than the weight stream's order): 2 weight
+// rows share each x load. (Wider tiles, 8 x 1 and 4 x 4, would need fewer chains per output,
+// hence another summation order: the batch invariance above rules them out.)
 template <bool kDp>
-constexpr RowKernel kStreaming[4] = {
-    {8, 1, tile<kDp, 8, 1, 1>, tile<kDp, 8, 1, 1>},
-    {4, 1, tile<kDp, 4, 1, 2>, tile<kDp, 4, 1, 2>},
-    {2, 1, tile<kDp, 2, 1, 2>, tile<kDp, 2, 1, 2>},
-    {1, 1, tile<kDp, 1, 1, 4>, tile<kDp, 1, 1, 4>},
+constexpr RowKernel kStreaming[3] = {
+    {4, 1, tile<kDp, 4, 1>, tile<kDp, 4, 1>},
+    {2, 1, tile<kDp, 2, 1>, tile<kDp, 2, 1>},
+    {1, 1, tile<kDp, 1, 1>, tile<kDp, 1, 1>},
 };
 
 template <bool kDp>
-constexpr RowKernel kBlocked[3] = {
-    {4, 4, tile<kDp, 4, 4, 1>, tile<kDp, 4, 1, 2>},
-    {2, 1, tile<kDp, 2, 1, 2>, tile<kDp, 2, 1, 2>},
-    {1, 1, tile<kDp, 1, 1, 4>, tile<kDp, 1, 1, 4>},
+constexpr RowKernel kBlocked[2] = {
+    {2, 2, tile<kDp, 2, 2>, tile<kDp, 2, 1>},
+    {1, 2, tile<kDp, 1, 2>, tile<kDp, 1, 1>},
 };
 
 // x bytes (as the kernel reads it) above which the blocked tiles win; L1d is 32 KiB. Measured

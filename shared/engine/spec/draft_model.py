@@ -1,0 +1,138 @@
+"""The draft-model proposer: a second, smaller model drafts K tokens greedily for a request.
+
+The draft is loaded from its own checkpoint with its own config: its geometry, its RoPE
+(theta, scaling, partial rotary...) and its context limit come from the draft's config.json,
+never from the target's (vLLM first took the RoPE layout from the target and acceptance fell
+from ~2.0 to ~1.0 until vLLM #54373 reverted to the draft's own config). Nothing is
+overridden. The draft must share the target's tokenizer (same token -> id map): checked at
+start-up, refused otherwise. With model = the target's checkpoint and quantization = "mxfp4"
+it is the quantised self-draft: the MXFP4 copy proposes, the bf16 target verifies.
+
+The draft has its own paged KV cache (the engine's kv_cache_memory_bytes again) and a shadow
+Request per target request: its tokens follow the target's, its num_computed_tokens says how
+much of them the draft's cache holds. Each proposal first catches the shadow up (the whole
+prompt the first time: in P/D the draft is prefilled on the decode worker, so only the
+target's KV moves and the compat hash is unchanged), then feeds its own greedy tokens K - 1
+times. Rejected drafts are rolled back at the next proposal: the shadow keeps the common
+prefix of its tokens and the target's, and frees the blocks past it. The drafts of a step's
+requests are computed together (one draft pass per position, a row per request).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from shared.config import EngineConfig
+from shared.engine.block_manager import KVCacheManager
+from shared.engine.request import Request
+from shared.engine.runner import KVGeometry, ModelRunner
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import ScheduledBatch
+from shared.model.tokenizer import Tokenizer
+from shared.speculative_config import SpeculativeConfig
+
+log = logging.getLogger(__name__)
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
+
+
+class DraftModelProposer:
+    """Greedy drafts from a draft model over its own KV cache (engine thread only)."""
+
+    def __init__(self, runner: ModelRunner, block_size: int, max_model_len: int) -> None:
+        self.runner = runner
+        # No sliding_window: a shadow rolls back past drafts it allocated for, below where a
+        # window drop would have been counted (the draft model's attention still windows).
+        self.kv = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching=False)
+        self.max_model_len = max_model_len  # the draft's own limit (its config)
+        self._shadows: dict[str, Request] = {}
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        """Up to k greedy draft tokens continuing request.all_token_ids."""
+        return self.propose_batch([(request, k)]).get(request.request_id, [])
+
+    def propose_batch(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """Drafts for several requests (request, at most k tokens each), computed together:
+        draft pass j runs one row per request still drafting (its catch-up rows at j = 0)."""
+        todo = [(self._sync(r), min(k, self.max_model_len - r.num_tokens)) for r, k in wanted]
+        drafts: dict[str, list[int]] = {s.request_id: [] for s, k in todo if k >= 1}
+        active = [(s, k) for s, k in todo if k >= 1]
+        while active:
+            rows = [s.num_tokens - s.num_computed_tokens for s, _ in active]  # each >= 1
+            fits = [self.kv.allocate_slots(s, n) for (s, _), n in zip(active, rows, strict=True)]
+            for (s, _), ok in zip(active, fits, strict=True):
+                if not ok:  # the draft's cache is full: no draft for it now
+                    self.release(s.request_id)
+                    drafts.pop(s.request_id)
+            active, rows = ([a for a, ok in zip(active, fits, strict=True) if ok],
+                            [n for n, ok in zip(rows, fits, strict=True) if ok])
+            if not active:
+                break
+            shadows = [s for s, _ in active]
+            out = self.runner.execute(ScheduledBatch(
+                shadows, rows, [s.num_computed_tokens for s in shadows], [True] * len(rows)))
+            for s, n, token in zip(shadows, rows, out.sampled_token_ids, strict=True):
+                s.num_computed_tokens += n
+                if token is not None:  # None: NaN / inf logits in the draft, stop drafting
+                    drafts[s.request_id].append(token)
+                    s.append_output_token(token)
+            active = [(s, k) for (s, k), t in zip(active, out.sampled_token_ids, strict=True)
+                      if t is not None and len(drafts[s.request_id]) < k]
+        return drafts
+
+    def _sync(self, request: Request) -> Request:
+        """The request's shadow, its tokens equal to the request's and its cache trimmed to
+        the prefix both still share (a rejected draft's KV is dropped)."""
+        shadow = self._shadows.get(request.request_id)
+        if shadow is None:
+            shadow = Request(request.request_id, list(request.prompt_token_ids), _GREEDY)
+            self._shadows[request.request_id] = shadow
+        mine, theirs = shadow.all_token_ids, request.all_token_ids
+        common = shadow.num_prompt_tokens
+        limit = min(len(mine), len(theirs))
+        while common < limit and mine[common] == theirs[common]:
+            common += 1
+        shadow.truncate_output(common - shadow.num_prompt_tokens)
+        for token in theirs[common:]:
+            shadow.append_output_token(token)
+        shadow.num_computed_tokens = min(shadow.num_computed_tokens, common)
+        self.kv.trim(shadow)
+        return shadow
+
+    def release(self, request_id: str) -> None:
+        """Free a request's draft state (it finished, or the draft's cache ran out)."""
+        shadow = self._shadows.pop(request_id, None)
+        if shadow is not None:
+            self.kv.free(shadow)
+
+
+def build_draft_proposer(config: EngineConfig, tokenizer: Tokenizer) -> DraftModelProposer:
+    """Load config.speculative_config's draft model (its own config) and check its tokenizer."""
+    from shared.engine.engine import _accelerate
+    from shared.model.loader import load_model
+    from shared.model.quant import QuantConfig
+    from shared.model.registry import resolve_model
+
+    spec = config.speculative_config
+    assert spec is not None and spec.model is not None
+    draft_dir = resolve_model(spec.model, config.resolved_cache_dir,
+                              hub_cache=config.hf_hub_cache)
+    check_same_tokenizer(tokenizer, Tokenizer(draft_dir), spec)
+    model, draft_config = load_model(draft_dir, config.dtype,
+                                     quantization=QuantConfig.parse(spec.quantization))
+    _accelerate(model, config)
+    geometry = KVGeometry.for_model(config, draft_config, draft_config.num_layers)
+    runner = ModelRunner(model, geometry, config, draft_config.vocab_size)
+    log.info("speculative draft model %s (%s): %d layers, rope %s, %d KV blocks", spec.model,
+             spec.quantization or config.dtype, draft_config.num_layers, draft_config.rope,
+             runner.num_blocks)
+    limit = min(draft_config.max_position_embeddings, runner.num_blocks * config.block_size)
+    return DraftModelProposer(runner, config.block_size, limit)
+
+
+def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, spec: SpeculativeConfig) -> None:
+    """Refuse a draft whose token -> id map differs from the target's."""
+    if target.backend.get_vocab(with_added_tokens=True) != draft.backend.get_vocab(
+            with_added_tokens=True):
+        raise ValueError(f"speculative_config.model {spec.model!r}: its tokenizer differs from "
+                         "the target model's (draft and target must share the tokenizer)")

@@ -1,0 +1,99 @@
+"""The draft-model proposer: lossless against speculation off, the draft's own config (RoPE)
+honoured, its KV rolled back after rejections, a foreign tokenizer refused.
+
+References: the same engine with speculation off, and an engine running the draft checkpoint
+alone (what the draft must propose: its own greedy continuation).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from shared.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.engine.request import Request
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.spec.draft_model import build_draft_proposer
+from tests.engine.conftest import SMALL
+from tests.engine.test_spec_decode import repeating_prompts
+from tests.support.engine import assert_all_blocks_free, run_engine
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def draft_spec(model: Path, k: int = 4, **extra: object) -> dict[str, object]:
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k,
+            "disable_by_batch_size": 8, **extra}
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]], n: int = 24) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    outs = run_engine(engine, prompts, [params] * len(prompts))
+    return [outs[i].token_ids for i in range(len(prompts))]
+
+
+def test_the_target_as_its_own_draft_is_always_accepted(make_engine, small_ckpt):
+    """fp32: the draft computes what the target computes, so every draft token is accepted;
+    that fails if the draft's KV were not rolled back or caught up exactly."""
+    prompts = repeating_prompts(4)
+    want = greedy(make_engine(), prompts)
+    engine = make_engine(speculative_config=draft_spec(small_ckpt))
+    assert greedy(engine, prompts) == want
+    s = engine.stats()
+    assert 0 < s.spec_num_draft_tokens == s.spec_num_accepted_tokens
+    assert_all_blocks_free(engine)
+    proposer = engine.scheduler.drafter.proposer
+    assert proposer.kv.num_free_blocks == proposer.kv.num_blocks  # released on finish
+
+
+def test_another_draft_is_lossless(make_engine, make_checkpoint):
+    other = make_checkpoint(**{**SMALL, "seed": 1})
+    prompts = repeating_prompts(4)
+    want = greedy(make_engine(), prompts)
+    engine = make_engine(speculative_config=draft_spec(other, min_acceptance_rate=0.0))
+    assert greedy(engine, prompts) == want
+    assert engine.stats().spec_num_draft_tokens > 0
+    assert_all_blocks_free(engine)
+
+
+def test_the_draft_runs_its_own_rope_and_rolls_back(small_ckpt, make_checkpoint):
+    """Same weights, another rope_theta: the draft proposes its own greedy continuation (an
+    engine on the draft checkpoint alone), which the target's RoPE would not give."""
+    draft_dir = make_checkpoint(**{**SMALL, "rope_theta": 2.0})
+    config = EngineConfig(model=str(small_ckpt), kv_cache_memory_bytes=8 << 20,
+                          speculative_config=draft_spec(draft_dir, k=6))  # type: ignore[arg-type]
+    target = LLMEngine.from_config(EngineConfig(model=str(small_ckpt),
+                                                kv_cache_memory_bytes=8 << 20))
+    proposer = build_draft_proposer(config, target.tokenizer)
+    alone = LLMEngine.from_config(EngineConfig(model=str(draft_dir),
+                                               kv_cache_memory_bytes=8 << 20))
+    prompt = repeating_prompts(3)[2] * 3
+    want = greedy(alone, [prompt], 6)[0]
+    req = Request("r", prompt, GREEDY)
+    assert proposer.propose(req, 6) == want
+    assert greedy(target, [prompt], 6)[0] != want  # the target's RoPE gives other tokens
+    # A "rejection": the request continues with other tokens than the draft's; the draft's
+    # KV past the common prefix is dropped and the next draft continues the new context.
+    for t in (want[0], (want[1] + 1) % 1000):
+        req.append_output_token(t)
+    assert proposer.propose(req, 4) == greedy(alone, [req.all_token_ids], 4)[0]
+    proposer.release("r")
+    assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
+
+
+def test_a_draft_with_another_tokenizer_is_refused(small_ckpt, tmp_path):
+    foreign = tmp_path / "foreign"
+    shutil.copytree(small_ckpt, foreign)
+    tok = json.loads((foreign / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: another token -> id map
+    (foreign / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        LLMEngine.from_config(EngineConfig(  # type: ignore[arg-type]
+            model=str(small_ckpt), kv_cache_memory_bytes=8 << 20,
+            speculative_config=draft_spec(foreign)))
