@@ -5,6 +5,10 @@
     native.decoder_layer(h, kv_layer, cos_sin, tables, weights, geometry)   # h updated in place
     native.decoder_layers(h, kv_cache, cos_sin, tables, stack, geometry)    # every layer at once
 
+Each takes an optional sliding window per layer (HF semantics: the query at position p attends to
+keys p - W < k <= p; 0 or None is full causal attention). Keys before a window are never read,
+so their block-table entries may name any valid block (the engine drops those blocks).
+
 rope_attention does RoPE on q and k (over the first R channels of each head, R the cos/sin
 table's width: partial rotary when R < head_dim), writes K/V into the paged cache and runs
 causal attention over each sequence's context straight from its block table (no gather, no
@@ -144,28 +148,32 @@ class NativeDecoder:
 
     def decoder_layers(self, h: torch.Tensor, kv_cache: torch.Tensor, cos_sin: torch.Tensor,
                        tables: StepTables, stack: list[torch.Tensor | None], g: LayerGeometry,
-                       team: bool = True) -> None:
+                       team: bool = True, windows: list[int] | None = None) -> None:
         """decoder_layer over every layer of kv_cache [L, 2, ...] in one call (one dispatch
-        per step); stack = the layers' LayerWeights.as_list() concatenated, layer 0 first.
+        per step); stack = the layers' LayerWeights.as_list() concatenated, layer 0 first;
+        windows = each layer's sliding window (0: full), or None when no layer slides.
 
         With `team` (the default), a decode-sized step (T <= 32) of dense layers runs in one
         parallel region for the whole stack (csrc/decode_team.cpp) instead of one per op; the
         result is bit-identical, so team=False is the per-op oracle the tests compare with."""
         self._layers(h, kv_cache, cos_sin, tables.block_tables, tables.context_lens,
                      tables.query_start, stack, g.num_heads, g.num_kv_heads, g.rms_norm_eps,
-                     g.scale, self._path_id, self.mxfp4_path, team)
+                     g.scale, self._path_id, self.mxfp4_path, team, windows or [])
 
     def rope_attention(self, qkv: torch.Tensor, kv_layer: torch.Tensor, cos_sin: torch.Tensor,
-                       tables: StepTables, g: LayerGeometry) -> torch.Tensor:
+                       tables: StepTables, g: LayerGeometry, window: int | None = None
+                       ) -> torch.Tensor:
         """qkv [T, (H + 2 KVH) D] -> attention output [T, H D]; writes K/V of the new rows."""
         return self._ops.rope_attention(
             qkv, kv_layer, cos_sin, tables.block_tables, tables.context_lens,
-            tables.query_start, g.num_heads, g.num_kv_heads, g.scale, self._path_id)
+            tables.query_start, g.num_heads, g.num_kv_heads, g.scale, self._path_id, window or 0)
 
     def decoder_layer(self, h: torch.Tensor, kv_layer: torch.Tensor, cos_sin: torch.Tensor,
-                      tables: StepTables, w: LayerWeights, g: LayerGeometry) -> None:
+                      tables: StepTables, w: LayerWeights, g: LayerGeometry,
+                      window: int | None = None) -> None:
         """h [T, hidden] bf16 (contiguous) -> h after the whole block, in place."""
-        self.decoder_layers(h, kv_layer.unsqueeze(0), cos_sin, tables, w.as_list(), g)
+        self.decoder_layers(h, kv_layer.unsqueeze(0), cos_sin, tables, w.as_list(), g,
+                            windows=[window or 0])
 
     # The block's elementwise steps alone (bf16 [T, n] contiguous), for callers that run the
     # projections themselves (an MXFP4 prefill): same numerics as inside decoder_layer.

@@ -36,6 +36,7 @@ from shared.config import (
 from shared.pipeline import config as pipeline_config
 from shared.pipeline.config import PipelineConfig
 from shared.protocol.pd import Role
+from shared.speculative_config import SpeculativeConfig
 
 API_KEY_ENV = "PDMESH_API_KEY"
 SPECULATIVE_CONFIG_ENV = "PDMESH_SPECULATIVE_CONFIG"
@@ -183,8 +184,9 @@ class WorkerConfig:
             quant_encoder=args.quant_encoder,
             seed=args.seed,
             kernel_tier=kernel_tier,
-            speculative_config=(getattr(args, "speculative_config", None)
-                                or environ.get(SPECULATIVE_CONFIG_ENV) or None),
+            speculative_config=SpeculativeConfig.parse(  # typed here; EngineConfig re-parses
+                getattr(args, "speculative_config", None)
+                or environ.get(SPECULATIVE_CONFIG_ENV) or None),
         )
         role = Role(args.role)
         tls_files = tls.from_args(args)

@@ -10,6 +10,17 @@ Invariants:
 - The free queue pops from its head (least recently freed). Blocks of a request are freed
   tail-first, so a request's later blocks are evicted before its earlier ones, which keeps
   the shared prefixes alive longest.
+- Sliding window (`sliding_window` W: every layer of the model slides, W the largest window):
+  the query at position p reads keys > p - W only, so once a request has computed c tokens no
+  future query reads positions < c - W + 1. Blocks wholly before that are dropped from the
+  request when it next allocates: released like any freed block, and their table entries
+  become DROPPED_BLOCK (the runner reads those as block 0; attention never reads them). So a
+  long prompt holds about (W + chunk) / block_size blocks, not its length. A dropped block
+  keeps its prefix-cache key: its KV is final and still valid, so a later request may revive
+  it as part of a cached prefix (a hit is always a chain from block 0) until it is evicted.
+  Requests that hold their KV for a peer (hold_kv: a P/D prefill, and push streaming) never
+  drop blocks: the transfer sends the whole block table and the decode side drops what is
+  outside the window at its first step. With a full-attention layer, nothing is dropped.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from dataclasses import dataclass
 from shared.engine.request import Request, RequestStatus
 
 BlockKey = tuple[int, tuple[int, ...]]  # (parent block hash, token ids of this block)
+DROPPED_BLOCK = -1  # block-table entry of a block dropped from a sliding window
 _ROOT_HASH = 0x5EED_B10C
 # Only a normally finished request keeps its KV for a peer; an aborted or failed one frees it.
 _HOLDABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
@@ -38,14 +50,19 @@ class KVCacheManager:
 
     Counters (in tokens, as vLLM's prefix_cache_queries / prefix_cache_hits): every admission
     of a request without KV (`allocate_slots` given a lookup result) adds its num_tokens to
-    `prefix_cache_queries` and the hit length to `prefix_cache_hits`.
+    `prefix_cache_queries` and the hit length to `prefix_cache_hits`. `sliding_window` is
+    ModelConfig.kv_window (None: keep every block; see the module docstring).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
@@ -113,6 +130,8 @@ class KVCacheManager:
         self._ensure_hashes(request, full)
         for i in range(done, full):
             key, block = self._key(request, i), request.block_table[i]
+            if block == DROPPED_BLOCK:
+                continue
             if key not in self._cached and self._block_key[block] is None:
                 self._cached[key] = block
                 self._block_key[block] = key
@@ -144,8 +163,10 @@ class KVCacheManager:
                        computed: ComputedBlocks | None = None) -> bool:
         """Make room for num_new_tokens after request.num_computed_tokens (+ a prefix hit).
 
-        All or nothing: returns False and changes nothing when blocks are short.
+        All or nothing: returns False and changes nothing when blocks are short (except that
+        blocks before a sliding window are dropped either way: no query reads them again).
         """
+        self._drop_outside_window(request)
         hit = computed.block_ids if computed else []
         total = request.num_computed_tokens + (computed.num_tokens if computed else 0)
         need = self.blocks_needed(total + num_new_tokens) - len(request.block_table) - len(hit)
@@ -161,6 +182,25 @@ class KVCacheManager:
         request.block_table.extend(self._pop_free() for _ in range(max(need, 0)))
         return True
 
+    def _drop_outside_window(self, request: Request) -> None:
+        """Release the request's blocks that no future query of any layer reads.
+
+        Invariant: num_computed_tokens never falls below its value here while the request
+        keeps its table (speculation rolls back only drafts scheduled after it; preemption
+        frees the whole table), so a dropped block is never needed again."""
+        if self.sliding_window is None or request.hold_kv:
+            return
+        first_read = request.num_computed_tokens - self.sliding_window + 1
+        table = request.block_table
+        dead = min(max(first_read, 0) // self.block_size, len(table))  # blocks [0, dead)
+        live = dead  # dropped entries are a prefix: walk back over the newly dead ones only
+        while live > 0 and table[live - 1] != DROPPED_BLOCK:
+            live -= 1
+        if live < dead:
+            dropped = table[live:dead]
+            table[live:dead] = [DROPPED_BLOCK] * (dead - live)
+            self._release(dropped)
+
     def trim(self, request: Request) -> None:
         """Free the blocks past request.num_computed_tokens (a rejected speculative draft's).
 
@@ -173,8 +213,11 @@ class KVCacheManager:
             self._release(extra)
 
     def _release(self, block_ids: list[int]) -> None:
-        """Drop one reference from each block, tail-first (see module docstring)."""
+        """Drop one reference from each block, tail-first (see module docstring); dropped
+        entries (DROPPED_BLOCK) were released already."""
         for block in reversed(block_ids):
+            if block == DROPPED_BLOCK:
+                continue
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0, f"block {block} freed twice"
             if self.ref_counts[block] == 0:

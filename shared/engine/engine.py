@@ -64,7 +64,8 @@ class LLMEngine:
         self.runner = runner
         self.max_model_len = self._max_model_len()
         self.kv = KVCacheManager(runner.num_blocks, config.block_size,
-                                 config.enable_prefix_caching)
+                                 config.enable_prefix_caching,
+                                 sliding_window=model_config.kv_window)
         self.scheduler = make_scheduler(self.kv) if make_scheduler is not None else Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,

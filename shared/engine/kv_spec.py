@@ -34,12 +34,14 @@ def weight_transforms(config: EngineConfig) -> WeightTransforms:
 
 def kv_spec_of(model_id: str, weights_fingerprint: str, engine: EngineConfig,
                config: ModelConfig) -> ModelKVSpec:
-    """The spec of a loaded model: ModelConfig carries geometry and RoPE, the engine's
-    configuration the dtypes and the weight transforms.
+    """The spec of a loaded model: ModelConfig carries geometry, RoPE and the attention
+    windows, the engine's configuration the dtypes and the weight transforms.
 
-    A family's attention constants that change the KV bytes (Gemma: windows, soft-caps, the
-    sliding layers' RoPE, the score scale) ride in the `rope` factor as `gemma.*` keys: the
-    weights fingerprint does not cover config.json, so they must be hashed here.
+    Every family's sliding windows are `config.layer_windows`, hashed once as the
+    `attention_windows` factor. A family's other constants that change the KV bytes (Gemma:
+    soft-caps, the sliding layers' RoPE, the score scale; gpt-oss: the clamped SwiGLU) ride
+    in the `rope` factor as `gemma.*` / `gpt_oss.*` keys: the weights fingerprint does not
+    cover config.json, so they must be hashed here.
     """
     # engine.speculative_config is deliberately not a factor: speculation runs on the decode
     # side after the KV has moved and changes neither the target model nor its weights, so the
@@ -48,10 +50,12 @@ def kv_spec_of(model_id: str, weights_fingerprint: str, engine: EngineConfig,
     # from the prompt tokens, its KV never travels). Sending the draft's KV too would make
     # the draft a factor; tests/kv_transfer/test_kv_compat.py classifies every field.
     rope = dataclasses.asdict(config.rope)
-    if config.gemma is not None:
-        rope.update(config.gemma.as_factors())
+    for family in (config.gemma, config.gpt_oss):
+        if family is not None:
+            rope.update(family.as_factors())
     return ModelKVSpec(model_id=model_id, weights_fingerprint=weights_fingerprint,
                        dtype=engine.dtype, kv_dtype=engine.resolved_kv_dtype,
                        num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
                        head_dim=config.head_dim, rope=ModelKVSpec.rope_items(rope),
-                       transforms=weight_transforms(engine))
+                       transforms=weight_transforms(engine),
+                       attention_windows=ModelKVSpec.windows_factor(config.layer_windows))

@@ -30,27 +30,17 @@ class PaddedViews:
         (computed + new), padded with slot 0.
     query_index: LongTensor[B, Qmax], index into T of each sequence's new tokens, padded with 0.
     query_valid: BoolTensor[B, Qmax], which entries of query_index are real.
+    query_pos: LongTensor[B, Qmax], absolute position of each query (padding rows too).
     attn_mask: BoolTensor[B, 1, Qmax, Lmax], True where query i may attend to key j
         (causal within the sequence, and not padding).
-    query_positions: LongTensor[B, Qmax], absolute position of each query (padding included).
     """
 
     slot_mapping: torch.Tensor
     gather_slots: torch.Tensor
     query_index: torch.Tensor
     query_valid: torch.Tensor
+    query_pos: torch.Tensor
     attn_mask: torch.Tensor
-    query_positions: torch.Tensor
-
-    def window_mask(self, window: int) -> torch.Tensor:
-        """attn_mask limited to keys at positions (p - window, p] of each query at p (HF's
-        sliding-window mask). A query always sees itself, so no real row is emptied; padding
-        rows keep key 0 so softmax never sees an all-masked row."""
-        keys = torch.arange(self.attn_mask.shape[-1])  # key j sits at position j
-        inside = keys[None, None, :] > self.query_positions[:, :, None] - window  # [B, Qmax, L]
-        mask = self.attn_mask & inside[:, None]
-        mask[:, :, :, 0] |= ~self.query_valid[:, None, :]
-        return mask
 
 
 @dataclass(frozen=True)
@@ -64,6 +54,10 @@ class AttentionMetadata:
     itself, with no gather and no padding. The plain-torch path reads the PaddedViews
     (slot_mapping, gather_slots, ...), built on first access only, so a native step never
     pays for them.
+    Sliding-window layers (ModelConfig.layer_windows) never read keys before their window,
+    so a block table may hold any valid id there: the block manager drops blocks that left
+    every layer's window and the runner fills their entries with block 0 (see
+    shared/engine/block_manager.py).
     """
 
     block_tables: torch.Tensor
@@ -86,9 +80,10 @@ class AttentionMetadata:
         starts = [0]
         for n in num_scheduled_tokens:
             starts.append(starts[-1] + n)
+        tables = torch.tensor([t + [0] * (nblk - len(t)) for t in block_tables],
+                              dtype=torch.int32)
         return AttentionMetadata(
-            block_tables=torch.tensor([t + [0] * (nblk - len(t)) for t in block_tables],
-                                      dtype=torch.int32),
+            block_tables=tables.clamp_(min=0),  # dropped blocks (-1) read as block 0
             context_lens=torch.tensor(ctx, dtype=torch.int32),
             query_start=torch.tensor(starts, dtype=torch.int32),
             block_size=block_size,
@@ -120,8 +115,29 @@ class AttentionMetadata:
         attn_mask[:, :, 0] |= ~query_valid
         slot_mapping = gather_slots.gather(1, q_pos.clamp(max=lmax - 1))[query_valid]
         return PaddedViews(slot_mapping=slot_mapping, gather_slots=gather_slots,
-                           query_index=query_index, query_valid=query_valid,
-                           attn_mask=attn_mask[:, None], query_positions=q_pos)
+                           query_index=query_index, query_valid=query_valid, query_pos=q_pos,
+                           attn_mask=attn_mask[:, None])
+
+    def attn_mask(self, window: int | None) -> torch.Tensor:
+        """The padded views' mask [B, 1, Qmax, Lmax], narrowed to a sliding window of
+        `window` keys (HF: query p attends to keys k with p - window < k <= p); cached per
+        window, so the layers sharing one window build it once per step. When no context
+        exceeds the window the causal mask alone is exact, and is returned as is."""
+        views = self.padded
+        if window is None or views.gather_slots.shape[1] <= window:  # Lmax = max context
+            return views.attn_mask
+        masks = self._window_masks
+        if window not in masks:
+            pos = torch.arange(views.gather_slots.shape[1])  # [Lmax]
+            inside = pos[None, None, :] > views.query_pos[:, :, None] - window  # [B, Qmax, Lmax]
+            # Padding rows keep key 0 (see padded): each valid row keeps its own position.
+            inside[:, :, 0] |= ~views.query_valid
+            masks[window] = views.attn_mask & inside[:, None]
+        return masks[window]
+
+    @functools.cached_property
+    def _window_masks(self) -> dict[int, torch.Tensor]:
+        return {}
 
 
 def paged_attention(
@@ -135,10 +151,11 @@ def paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [H] float32
 ) -> torch.Tensor:  # [T, H, D]
-    """Write the new K/V into the cache, then attend over each sequence's whole context, or
-    its last `window` positions; `softcap` bounds the scores to (-cap, cap) with tanh before
-    the softmax (Gemma 2); `sinks` are one learnt logit per head that joins every softmax's
-    denominator but attends to no value (gpt-oss's attention sinks)."""
+    """Write the new K/V into the cache, then attend over each sequence's context: all of it,
+    or its last `window` positions up to each query (a sliding-window layer, masked by
+    `meta.attn_mask`); `softcap` bounds the scores to (-cap, cap) with tanh before the softmax
+    (Gemma 2); `sinks` are one learnt logit per head that joins every softmax's denominator
+    but attends to no value (gpt-oss's attention sinks)."""
     kvh, d = k.shape[1], k.shape[2]
     views = meta.padded
     k_flat = kv_layer[0].view(-1, kvh, d)  # [num_slots, KVH, D]
@@ -150,7 +167,7 @@ def paged_attention(
     keys = k_flat[views.gather_slots].float().transpose(1, 2)  # [B, KVH, Lmax, D]
     values = v_flat[views.gather_slots].float().transpose(1, 2)
     queries = q[views.query_index].float().transpose(1, 2)  # [B, H, Qmax, D]
-    mask = views.attn_mask if window is None else views.window_mask(window)
+    mask = meta.attn_mask(window)
     if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, scale=scale,
@@ -176,11 +193,3 @@ def _materialised(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
     probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]  # the sink takes mass
     return probs @ values
-
-
-def window_of(meta: AttentionMetadata, window: int | None) -> int | None:
-    """The window to apply in this step, or None when no context can exceed it (then the causal
-    mask alone is exact and cheaper)."""
-    if window is None or int(meta.context_lens.max()) <= window:
-        return None
-    return window

@@ -12,7 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shared.model.gemma_config import GEMMA_DEFAULTS, GEMMA_TYPES, GemmaSpec, gemma_from_hf
+from shared.model.gemma_config import (
+    GEMMA_DEFAULTS,
+    GEMMA_TYPES,
+    GemmaSpec,
+    default_layer_types,
+    gemma_from_hf,
+)
 from shared.model.gpt_oss_config import (
     GPT_OSS_DEFAULTS,
     GPT_OSS_TYPE,
@@ -20,6 +26,7 @@ from shared.model.gpt_oss_config import (
     gpt_oss_from_hf,
     with_default_rope,
 )
+from shared.model.gpt_oss_config import default_layer_types as gpt_oss_layer_types
 from shared.model.moe import MoeConfig
 from shared.model.rope import RopeConfig
 
@@ -87,7 +94,10 @@ class ModelConfig:
     `qk_norm` (Qwen3) RMS-normalises every query and key head over head_dim before RoPE, with
     one learnt weight per projection; its head_dim is its own, not hidden_size / heads.
     `eos_token_ids` is always a tuple (HF allows an int or a list). `torch_dtype` is the
-    checkpoint's declared storage dtype, informational only. `moe` (Qwen3-MoE) is the expert
+    checkpoint's declared storage dtype, informational only. `layer_windows` holds each
+    layer's sliding window W (HF semantics: a query at position p attends to keys at
+    positions p - W < k <= p) or None for full causal attention, for every family (Gemma and
+    gpt-oss included); empty means every layer is full. `moe` (Qwen3-MoE) is the expert
     layout of the sparse layers (shared.model.moe); None for dense models.
     """
 
@@ -109,9 +119,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
-    gemma: GemmaSpec | None = None  # Gemma 2 / 3 only: soft-caps, windows, local RoPE
+    layer_windows: tuple[int | None, ...] = ()
+    gemma: GemmaSpec | None = None  # Gemma 2 / 3 only: soft-caps, scale, local RoPE
     moe: MoeConfig | None = None
-    gpt_oss: GptOssSpec | None = None  # gpt-oss only: experts, sinks' layout, windows
+    gpt_oss: GptOssSpec | None = None  # gpt-oss only: experts and their clamped SwiGLU
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -125,6 +136,11 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_kv_heads})")
         self.rope.check_head_dim(self.head_dim)
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for "
+                             f"{self.num_layers} layers")
+        if any(w is not None and w < 1 for w in self.layer_windows):
+            raise ValueError(f"sliding windows must be >= 1, got {self.layer_windows}")
         if self.rope.partial_rotary_factor != 1.0 and self.model_type != "phi3":
             # Of the HF classes we mirror only Phi3's attention rotates a head prefix; the
             # others would rotate the whole head with a shorter table (or not at all).
@@ -134,6 +150,20 @@ class ModelConfig:
     @property
     def model_type(self) -> str:
         return ARCHITECTURES[self.architecture]
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (global index), None for full causal attention."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def kv_window(self) -> int | None:
+        """How many trailing positions any future query can still read, when every layer
+        slides: the largest window. None when some layer attends to the whole context (then
+        no KV can ever be dropped)."""
+        windows = [self.window(i) for i in range(self.num_layers)]
+        if any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
 
     @property
     def q_size(self) -> int:
@@ -163,14 +193,12 @@ class ModelConfig:
         heads = int(cfg["num_attention_heads"])
         max_pos = int(cfg["max_position_embeddings"])
         spec, rope, oss = None, None, None
-        layers = int(cfg["num_hidden_layers"])
         if gemma:
-            spec, rope = gemma_from_hf(model_type, cfg, layers, max_pos)
+            spec, rope = gemma_from_hf(model_type, cfg, max_pos)
         elif model_type == GPT_OSS_TYPE:
             cfg = with_default_rope(cfg)
-            oss = gpt_oss_from_hf(cfg, layers)
-        else:
-            _refuse_sliding_window(model_type, cfg, max_pos)
+            oss = gpt_oss_from_hf(cfg)
+        windows = _layer_windows(model_type, cfg, max_pos)
         own_bias = (model_type in ("llama", "qwen3", "qwen3_moe", GPT_OSS_TYPE, *GEMMA_TYPES)
                     and bool(cfg["attention_bias"]))
         return ModelConfig(
@@ -192,6 +220,7 @@ class ModelConfig:
             bos_token_id=None if cfg["bos_token_id"] is None else int(cfg["bos_token_id"]),
             eos_token_ids=_token_ids(cfg["eos_token_id"]),
             torch_dtype=_dtype_name(cfg.get("torch_dtype") or cfg.get("dtype")),
+            layer_windows=windows,
             gemma=spec,
             moe=MoeConfig.from_hf(cfg) if model_type == "qwen3_moe" else None,
             gpt_oss=oss,
@@ -235,25 +264,63 @@ def _architecture(architectures: Any, model_type: Any) -> str:
                      f"(supported: {', '.join(ARCHITECTURES)})")
 
 
-def _refuse_sliding_window(model_type: str, cfg: Mapping[str, Any], max_pos: int) -> None:
-    """Raise if any layer would use a sliding window shorter than the context."""
+def _layer_windows(model_type: str, cfg: Mapping[str, Any], max_pos: int
+                   ) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as HF transformers applies the config's keys (the one
+    place any family's windows come from).
+
+    Mistral, Phi-3 and Qwen3-MoE slide every layer by `sliding_window` (their HF models ignore
+    `layer_types`); Qwen2, Qwen3 and Qwen3-MoE honour `sliding_window` only with
+    `use_sliding_window`. Qwen2/3, Gemma 2/3 and gpt-oss slide the layers `layer_types` marks
+    "sliding_attention", by default (`_layer_types`) the Qwen layers at or past
+    `max_window_layers` and the families' own patterns. Llama has no sliding-window attention
+    in HF: a window shorter than the context there is refused rather than guessed at. Empty
+    when no layer slides.
+    """
     window = cfg.get("sliding_window")
-    layer_types = list(cfg.get("layer_types") or [])
-    if model_type in ("qwen2", "qwen3") and not layer_types:
-        # HF Qwen2/3: layers >= max_window_layers slide, only when use_sliding_window is set.
-        start = int(cfg.get("max_window_layers", 28))
-        if cfg.get("use_sliding_window") and int(cfg["num_hidden_layers"]) > start:
-            layer_types = ["sliding_attention"]
-    elif model_type == "qwen3_moe" and not layer_types:
-        if cfg.get("use_sliding_window"):  # HF Qwen3-MoE: then every layer slides
-            layer_types = ["sliding_attention"]
-    elif model_type in ("mistral", "phi3") and not layer_types:
-        layer_types = ["sliding_attention"]  # HF Mistral/Phi3 apply sliding_window to every layer
-    sliding = "sliding_attention" in layer_types
-    if sliding and window is not None and int(window) < max_pos:
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
+        window = None  # HF: sliding_window = sliding_window if use_sliding_window else None
+    types = _layer_types(model_type, cfg, int(cfg["num_hidden_layers"]))
+    if "sliding_attention" not in types:
+        return ()
+    if window is None and model_type in (*GEMMA_TYPES, GPT_OSS_TYPE):
+        raise ValueError("sliding_window must be >= 1 for sliding layers, got None")
+    if window is None:
+        return ()
+    if int(window) < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {window}")
+    if model_type == "llama" and int(window) < max_pos:
         raise ValueError(
             f"sliding_window={window} is smaller than the context "
-            f"(max_position_embeddings={max_pos}); sliding-window attention is not supported")
+            f"(max_position_embeddings={max_pos}) on a llama config, whose HF model has no "
+            "sliding-window attention; refusing to guess")
+    if model_type == "llama":
+        return ()
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+
+def _layer_types(model_type: str, cfg: Mapping[str, Any], layers: int) -> list[str]:
+    """Each layer's attention type, "sliding_attention" or "full_attention", as the family's
+    HF model reads it: `layer_types` if given (checked), else the family's default."""
+    types = list(cfg.get("layer_types") or [])
+    if types and len(types) != layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported "
+                         "(only full_attention and sliding_attention)")
+    if model_type in ("mistral", "phi3", "qwen3_moe"):
+        return ["sliding_attention"] * layers
+    if types:
+        return types
+    if model_type in ("qwen2", "qwen3"):
+        start = int(cfg.get("max_window_layers", 28))
+        return ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+    if model_type in GEMMA_TYPES:
+        return default_layer_types(model_type, layers, cfg)
+    if model_type == GPT_OSS_TYPE:
+        return gpt_oss_layer_types(layers)
+    return types
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:

@@ -64,12 +64,11 @@ class GemmaAttention(Attention):
     Gemma-style QK-norm (Gemma 3)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer: int) -> None:
-        super().__init__(config, dtype)
+        super().__init__(config, dtype, layer)
         spec = config.gemma
         assert spec is not None
         self.scale = spec.query_pre_attn_scalar ** -0.5
         self.softcap = spec.attn_softcap
-        self.window = spec.window(layer)
         if config.qk_norm:
             self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)

@@ -2,7 +2,9 @@
 
 `gemma_from_hf` normalises the Gemma-only keys of an HF config.json (HF transformers'
 Gemma2Config / Gemma3TextConfig defaults and semantics) into a frozen `GemmaSpec`, which
-`ModelConfig.gemma` carries; the layers that use it live in `shared.model.gemma`.
+`ModelConfig.gemma` carries; the layers that use it live in `shared.model.gemma`. The sliding
+windows are not here: `ModelConfig.layer_windows` holds every family's, from `layer_types`
+(defaulting to `default_layer_types`) and `sliding_window`.
 """
 
 from __future__ import annotations
@@ -31,42 +33,34 @@ _GLOBAL_THETA, _LOCAL_THETA = 1_000_000.0, 10_000.0  # Gemma 3's default RoPE ba
 
 @dataclass(frozen=True)
 class GemmaSpec:
-    """What a Gemma checkpoint adds to the Llama geometry: attention scale and soft-caps, the
-    sliding window and which layers use it, and the sliding layers' own RoPE. Every field
-    changes the KV bytes or the logits a prompt produces, so all of it joins the compat hash
-    (`as_factors`)."""
+    """What a Gemma checkpoint adds to the Llama geometry: attention scale and soft-caps, and
+    the sliding layers' own RoPE (which layers slide, and how far, is
+    ModelConfig.layer_windows). Every field changes the KV bytes or the logits a prompt
+    produces, so all of it joins the compat hash (`as_factors`)."""
 
     version: int  # 2 or 3
     query_pre_attn_scalar: float
     attn_softcap: float | None
     final_softcap: float | None
-    sliding_window: int | None
-    layer_types: tuple[str, ...]
     local_rope: RopeConfig  # RoPE of the sliding layers (Gemma 2: the same as the full ones)
 
-    def window(self, layer: int) -> int | None:
-        """Keys a query of `layer` sees: positions (p - window, p], or None for all."""
-        return self.sliding_window if self.layer_types[layer] == SLIDING else None
-
     def as_factors(self) -> dict[str, Any]:
-        """Flat, hashable form for the compat hash (prefixed `gemma.`)."""
+        """Flat, hashable form for the compat hash (prefixed `gemma.`); the windows are the
+        `attention_windows` factor."""
         return {"gemma.version": self.version,
                 "gemma.query_pre_attn_scalar": self.query_pre_attn_scalar,
                 "gemma.attn_softcap": self.attn_softcap,
                 "gemma.final_softcap": self.final_softcap,
-                "gemma.sliding_window": self.sliding_window,
-                "gemma.layer_types": ",".join("s" if t == SLIDING else "f"
-                                              for t in self.layer_types),
                 **{f"gemma.local_rope.{k}": (repr(v) if isinstance(v, tuple) else v)
                    for k, v in self.local_rope.as_dict().items()}}
 
 
-def gemma_from_hf(model_type: str, cfg: Mapping[str, Any], num_layers: int,
-                  max_pos: int) -> tuple[GemmaSpec, RopeConfig]:
+def gemma_from_hf(model_type: str, cfg: Mapping[str, Any], max_pos: int
+                  ) -> tuple[GemmaSpec, RopeConfig]:
     """(GemmaSpec, RoPE of the full-attention layers) from a normalised Gemma config dict.
 
-    Refuses, naming the key, what the decoder cannot run: another activation, a bidirectional
-    variant, or a `layer_types` of the wrong length or with unknown entries.
+    Refuses, naming the key, what the decoder cannot run: another activation or a
+    bidirectional variant (ModelConfig's `_layer_windows` checks `layer_types`).
     """
     if cfg.get("hidden_activation") != "gelu_pytorch_tanh":
         raise ValueError(f"hidden_activation {cfg.get('hidden_activation')!r} is not supported "
@@ -74,27 +68,19 @@ def gemma_from_hf(model_type: str, cfg: Mapping[str, Any], num_layers: int,
     if cfg.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention=true is not supported (causal LM only)")
     version = 2 if model_type == "gemma2" else 3
-    types = tuple(cfg.get("layer_types") or _default_layer_types(version, num_layers, cfg))
-    if len(types) != num_layers or not set(types) <= {SLIDING, FULL}:
-        raise ValueError(f"layer_types must list {num_layers} entries of {SLIDING!r} or "
-                         f"{FULL!r}, got {list(types)}")
-    window = cfg.get("sliding_window")
-    if SLIDING in types and (window is None or int(window) < 1):
-        raise ValueError(f"sliding_window must be >= 1 for sliding layers, got {window!r}")
     full, local = _ropes(version, cfg, max_pos)
     spec = GemmaSpec(version=version,
                      query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]),
                      attn_softcap=_opt_float(cfg.get("attn_logit_softcapping")),
                      final_softcap=_opt_float(cfg.get("final_logit_softcapping")),
-                     sliding_window=None if window is None else int(window),
-                     layer_types=types, local_rope=local)
+                     local_rope=local)
     return spec, full
 
 
-def _default_layer_types(version: int, num_layers: int, cfg: Mapping[str, Any]) -> list[str]:
-    """HF's defaults: Gemma 2 slides on even layers; Gemma 3 on all but every
-    `sliding_window_pattern`-th (6)."""
-    if version == 2:
+def default_layer_types(model_type: str, num_layers: int, cfg: Mapping[str, Any]) -> list[str]:
+    """HF's defaults when a config gives no `layer_types`: Gemma 2 slides on even layers;
+    Gemma 3 on all but every `sliding_window_pattern`-th (6)."""
+    if model_type == "gemma2":
         return [SLIDING if (i + 1) % 2 else FULL for i in range(num_layers)]
     pattern = int(cfg.get("sliding_window_pattern") or 6)
     return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]

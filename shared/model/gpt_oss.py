@@ -53,9 +53,7 @@ class SinkAttention(Attention):
     """Biased fused-qkv attention with per-head sink logits and the layer's window."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer: int) -> None:
-        super().__init__(config, dtype)
-        assert config.gpt_oss is not None
-        self.window = config.gpt_oss.window(layer)
+        super().__init__(config, dtype, layer)
         self.sinks = nn.Parameter(torch.empty(config.num_heads, dtype=dtype))
 
 

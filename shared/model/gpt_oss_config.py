@@ -28,54 +28,43 @@ DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
 
 @dataclass(frozen=True)
 class GptOssSpec:
-    """gpt-oss's experts (count, top-k, width, the clamped SwiGLU's gain and limit) and its
-    attention layout (the window and which layers slide). Everything here changes the KV bytes
-    or the logits a prompt produces, so it joins the compat hash (`as_factors`)."""
+    """gpt-oss's experts (count, top-k, width, the clamped SwiGLU's gain and limit). Its
+    attention layout (the window and which layers slide) is ModelConfig.layer_windows, from
+    `layer_types` (defaulting to `default_layer_types`) and `sliding_window`."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     swiglu_alpha: float
     swiglu_limit: float
-    sliding_window: int | None
-    layer_types: tuple[str, ...]
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, "
                              f"got {self.top_k}")
-        if SLIDING in self.layer_types and (self.sliding_window or 0) < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window!r}")
-
-    def window(self, layer: int) -> int | None:
-        """Keys a query of `layer` sees: positions (p - window, p], or None for all."""
-        return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
     def as_factors(self) -> dict[str, Any]:
-        return {"gpt_oss.sliding_window": self.sliding_window,
-                "gpt_oss.layer_types": ",".join("s" if t == SLIDING else "f"
-                                                for t in self.layer_types),
-                "gpt_oss.swiglu": f"{self.swiglu_alpha}/{self.swiglu_limit}"}
+        """What config.json alone sets that changes the KV bytes, for the compat hash (the
+        expert shapes are the weights'; the windows are the `attention_windows` factor)."""
+        return {"gpt_oss.swiglu": f"{self.swiglu_alpha}/{self.swiglu_limit}"}
 
 
-def gpt_oss_from_hf(cfg: Mapping[str, Any], num_layers: int) -> GptOssSpec:
+def default_layer_types(num_layers: int) -> list[str]:
+    """HF GptOssConfig's default when a config gives no `layer_types`: layers alternate,
+    sliding first."""
+    return [SLIDING if (i + 1) % 2 else FULL for i in range(num_layers)]
+
+
+def gpt_oss_from_hf(cfg: Mapping[str, Any]) -> GptOssSpec:
     """The spec of a normalised gpt-oss config dict; refuses, naming the key, what the decoder
     cannot run."""
     experts = cfg.get("num_local_experts", cfg.get("num_experts"))
     if experts is None:
         raise ValueError("gpt-oss config is missing num_local_experts")
-    types = tuple(cfg.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL
-                                             for i in range(num_layers)])
-    if len(types) != num_layers or not set(types) <= {SLIDING, FULL}:
-        raise ValueError(f"layer_types must list {num_layers} entries of {SLIDING!r} or "
-                         f"{FULL!r}, got {list(types)}")
-    window = cfg.get("sliding_window")
     return GptOssSpec(num_experts=int(experts), top_k=int(cfg.get("num_experts_per_tok", 4)),
                       intermediate_size=int(cfg["intermediate_size"]),
                       swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-                      swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
-                      sliding_window=None if window is None else int(window),
-                      layer_types=types)
+                      swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
 
 
 def with_default_rope(cfg: Mapping[str, Any]) -> dict[str, Any]:

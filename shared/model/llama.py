@@ -28,7 +28,7 @@ from kernels.dense.layer import (
     pack_contiguous,
 )
 from kernels.mxfp4.backend import FUSED_MAX_ROWS
-from shared.model.attention import AttentionMetadata, paged_attention, window_of
+from shared.model.attention import AttentionMetadata, paged_attention
 from shared.model.config import ModelConfig
 from shared.model.moe import SparseMoeBlock, hf_expert_params
 from shared.model.quant import (
@@ -91,10 +91,12 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Fused-qkv self-attention with RoPE, reading and writing one layer of the paged cache.
-    With config.qk_norm (Qwen3), each query and key head is RMS-normalised before RoPE."""
+    With config.qk_norm (Qwen3), each query and key head is RMS-normalised before RoPE.
+    `layer` (global index) picks the sliding window, config.window(layer), in every family."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer: int) -> None:
         super().__init__()
+        self.window = config.window(layer)  # sliding window of this layer, or None
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.qk_size = config.q_size + config.kv_size
@@ -109,7 +111,6 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
         # Family variants (shared.model.gemma, gpt_oss) set these on the plain path.
-        self.window: int | None = None  # sliding window of this layer
         self.softcap: float | None = None  # tanh cap on the scores
         self.sinks: nn.Parameter | None = None  # [H] sink logits
 
@@ -117,7 +118,7 @@ class Attention(nn.Module):
                 kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)
         out = paged_attention(q, k, v, kv_layer, meta, self.scale,
-                              window=window_of(meta, self.window), softcap=self.softcap,
+                              window=self.window, softcap=self.softcap,
                               sinks=self.sinks)  # [T, H, D]
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
@@ -139,7 +140,8 @@ class Attention(nn.Module):
                        tables: StepTables, native: NativeDecoder, g: LayerGeometry
                        ) -> torch.Tensor:
         """forward, with RoPE, the cache write and attention in one native call (any T)."""
-        return self.o_proj(native.rope_attention(self.qkv_proj(x), kv_layer, cos_sin, tables, g))
+        return self.o_proj(native.rope_attention(self.qkv_proj(x), kv_layer, cos_sin, tables, g,
+                                                 self.window))
 
 
 class MLP(nn.Module):
@@ -164,7 +166,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype)
+        self.self_attn = Attention(config, dtype, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp: MLP | SparseMoeBlock = (
             SparseMoeBlock(config.moe, config.hidden_size, dtype)
@@ -184,7 +186,8 @@ class DecoderLayer(nn.Module):
         FUSED_MAX_ROWS rows (prefill), whose linears then dequantise for torch's GEMM between
         the native norms, attention, SiLU and residual adds."""
         if self.fused is not None and fuses(self.fused.packed, x.shape[0]):
-            native.decoder_layer(x, kv_layer, cos_sin, tables, self.fused, g)
+            native.decoder_layer(x, kv_layer, cos_sin, tables, self.fused, g,
+                                 self.self_attn.window)
             return x
         attn, mlp = self.self_attn, self.mlp
         assert isinstance(mlp, MLP), "use_native keeps MoE models on plain torch"
@@ -277,6 +280,7 @@ class LlamaForCausalLM(nn.Module):
         self.geometry = LayerGeometry(config.num_heads, config.num_kv_heads, config.head_dim,
                                       config.rms_norm_eps, config.head_dim ** -0.5)
         self.native: NativeDecoder | None = None  # see use_native
+        self._windows = [config.window(i) or 0 for i in range(start, end)]  # 0: full attention
         self._fused_stack: list[torch.Tensor | None] | None = None
         self._stack_packed = False  # some fused layer is MXFP4 (see fuses)
         self.requires_grad_(False)
@@ -357,7 +361,8 @@ class LlamaForCausalLM(nn.Module):
         if not self.is_first:  # fused layers update h in place: never the caller's tensor
             h = h.clone(memory_format=torch.contiguous_format)
         if self._fused_stack is not None and fuses(self._stack_packed, h.shape[0]):
-            native.decoder_layers(h, kv_cache, cos_sin, tables, self._fused_stack, self.geometry)
+            native.decoder_layers(h, kv_cache, cos_sin, tables, self._fused_stack, self.geometry,
+                                  windows=self._windows)
         else:
             for i, layer in enumerate(self._decoder_layers):
                 h = layer.forward_native(h, cos_sin, kv_cache[i], tables, native, self.geometry)

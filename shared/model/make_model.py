@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from shared.model.config import ARCHITECTURES
 
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
+GEMMA_WINDOW = 8  # gemma2 / gemma3_text: layer 0 slides by this, layer 1 attends fully
 BOS_TOKEN_ID, EOS_TOKEN_ID = 1, 2  # <|im_start|>, <|im_end|> in SmolLM2
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json")
@@ -46,7 +47,10 @@ class ModelSpec:
     embedding / LM-head rows (None: the tokenizer's 49152); more rows than tokens is the
     padded-vocab layout (Qwen2.5: 151,936 rows for 151,665 tokens). padding_head_scale
     multiplies the untied LM head's rows past the tokenizer, so that a greedy model emits
-    ids the tokenizer cannot spell (tests of that case).
+    ids the tokenizer cannot spell (tests of that case). sliding_window gives mistral, phi3
+    and qwen3_moe a window on every layer, and qwen2 / qwen3 one on the layers at or past
+    max_window_layers (use_sliding_window set); llama has none. Gemma always slides layer 0
+    (and every other layer), by sliding_window or GEMMA_WINDOW.
     """
 
     arch: str = "llama"
@@ -66,7 +70,8 @@ class ModelSpec:
     dtype: str = "float32"
     vocab_size: int | None = None
     padding_head_scale: float = 1.0
-    sliding_window: int = 8  # gemma2 / gemma3_text: layer 0 slides, layer 1 attends fully
+    sliding_window: int | None = None  # None: no window (gemma: GEMMA_WINDOW)
+    max_window_layers: int = 0
     rope_local_theta: float = 1000.0  # gemma3_text's sliding layers (rope_local_base_freq)
     partial_rotary_factor: float = 1.0  # phi3 only (Phi-4-mini: 0.75)
     # qwen3_moe only: the expert layout (shared.model.moe.MoeConfig), HF key names.
@@ -92,6 +97,8 @@ class ModelSpec:
             raise ValueError("partial_rotary_factor is a phi3 setting")
         if self.num_shards < 1:
             raise ValueError("num_shards must be >= 1")
+        if self.sliding_window is not None and (self.arch == "llama" or self.sliding_window < 1):
+            raise ValueError("sliding_window must be >= 1, and llama has no sliding window")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
         if self.padding_head_scale != 1.0 and (self.tie_word_embeddings
@@ -137,7 +144,12 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     if spec.partial_rotary_factor != 1.0:
         cfg["partial_rotary_factor"] = spec.partial_rotary_factor
     if spec.arch in ("qwen2", "mistral", "qwen3", "qwen3_moe"):
-        cfg.update(sliding_window=None, use_sliding_window=False)
+        cfg.update(sliding_window=spec.sliding_window,
+                   use_sliding_window=spec.sliding_window is not None)
+    if spec.arch in ("qwen2", "qwen3"):
+        cfg.update(max_window_layers=spec.max_window_layers)
+    if spec.arch == "phi3":
+        cfg.update(sliding_window=spec.sliding_window)
     if spec.arch in ("gemma2", "gemma3_text"):
         _gemma_keys(spec, cfg)
     scaling = _rope_scaling(spec)
@@ -160,7 +172,7 @@ def _gemma_keys(spec: ModelSpec, cfg: dict[str, Any]) -> None:
     del cfg["hidden_act"]
     layers = cfg["num_hidden_layers"]
     cfg.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg["head_dim"] // 2,
-               sliding_window=spec.sliding_window, attention_bias=False,
+               sliding_window=spec.sliding_window or GEMMA_WINDOW, attention_bias=False,
                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
                             for i in range(layers)])
     if spec.arch == "gemma2":

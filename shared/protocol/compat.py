@@ -2,8 +2,9 @@
 
 `compat_hash` is SHA-256 over the sorted-key msgpack encoding of `CompatFactors`: protocol
 version, model id and weights fingerprint, the run-time weight transforms (quantisation...),
-dtype and KV dtype, layers, KV heads, head dim, the RoPE configuration, the KV layout and the
-transfer mode. Block size, KV capacity and pipeline size are deliberately left out; they are
+dtype and KV dtype, layers, KV heads, head dim, the RoPE configuration, each layer's attention
+window (sliding windows change every KV past the first window), the KV layout and the transfer
+mode. Block size, KV capacity and pipeline size are deliberately left out; they are
 negotiated after the hash matches.
 
 The weights fingerprint covers the checkpoint's files; `WeightTransforms` covers what a worker
@@ -66,8 +67,10 @@ class ModelKVSpec:
 
     `rope` is the checkpoint's RoPE configuration (theta, scaling type and factors...), kept as
     sorted (key, value) pairs so the dataclass stays hashable and canonical. `transforms` is
-    what the worker does to the weights at load time (untouched by default). Built from a
-    loaded model by `shared.engine.kv_spec.kv_spec_of`.
+    what the worker does to the weights at load time (untouched by default).
+    `attention_windows` names each layer's attention: "full" when no layer slides, else one
+    comma-separated entry per layer, its sliding window or "full" (`windows_factor`). Built
+    from a loaded model by `shared.engine.kv_spec.kv_spec_of`.
     """
 
     model_id: str
@@ -80,6 +83,13 @@ class ModelKVSpec:
     rope: tuple[tuple[str, RopeValue], ...] = ()
     kv_layout: str = KV_LAYOUT
     transforms: WeightTransforms = WeightTransforms()
+    attention_windows: str = "full"
+
+    @staticmethod
+    def windows_factor(windows: Iterable[int | None]) -> str:
+        """The attention_windows value of per-layer windows (None: full attention)."""
+        named = [("full" if w is None else str(int(w))) for w in windows]
+        return "full" if all(n == "full" for n in named) else ",".join(named)
 
     @staticmethod
     def rope_items(rope: Mapping[str, Any]) -> tuple[tuple[str, RopeValue], ...]:
@@ -106,6 +116,7 @@ class CompatFactors:
     num_kv_heads: int
     head_dim: int
     rope: tuple[tuple[str, RopeValue], ...]
+    attention_windows: str
     kv_layout: str
     transfer_mode: str
 
@@ -117,7 +128,8 @@ class CompatFactors:
             weight_transforms=spec.transforms.items(), dtype=spec.dtype,
             kv_dtype=spec.kv_dtype, num_layers=spec.num_layers,
             num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, rope=spec.rope,
-            kv_layout=spec.kv_layout, transfer_mode=transfer_cls.mode,
+            attention_windows=spec.attention_windows, kv_layout=spec.kv_layout,
+            transfer_mode=transfer_cls.mode,
         )
 
     def to_wire(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ What equality means, per op (the same on every tier):
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 import pytest
@@ -292,7 +292,7 @@ def test_decode_team_equals_the_per_op_driver(native: NativeDecoder, arch: str, 
     try:
         torch.set_num_threads(threads)
         team = _run(model, SMALL_STEPS)
-        native.decoder_layers = lambda *a: per_op(*a, team=False)  # type: ignore[method-assign]
+        native.decoder_layers = partial(per_op, team=False)  # type: ignore[method-assign]
         oracle = _run(model, SMALL_STEPS)
     finally:
         native.decoder_layers = per_op  # type: ignore[method-assign]

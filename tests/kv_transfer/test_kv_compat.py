@@ -46,7 +46,7 @@ ALTERED = {
     "weight_transforms": WeightTransforms(quantization="mxfp4").items(),
     "dtype": "float32", "kv_dtype": "float32", "num_layers": 31, "num_kv_heads": 4,
     "head_dim": 128, "rope": ModelKVSpec.rope_items({"rope_theta": 10000.0}),
-    "kv_layout": "other-layout", "transfer_mode": "push",
+    "kv_layout": "other-layout", "transfer_mode": "push", "attention_windows": "4096,full",
 }
 
 
@@ -202,3 +202,64 @@ def test_weight_transforms_say_what_the_engine_loaded(ckpt: Path, quantization: 
                               encoder=str(encoders.pop()) if encoders else "none")
     assert not encoders
     assert weight_transforms(config) == loaded
+
+
+# --- Sliding windows are a factor --------------------------------------------------------------
+
+def _windowed(base, windows: tuple[int | None, ...]):
+    return dataclasses.replace(base, layer_windows=windows)
+
+
+def test_a_different_sliding_window_changes_the_hash(model_config) -> None:
+    """A prefill and a decode whose layers attend over different windows compute different KV
+    past the first window: they never pair, and the refusal names the factor."""
+    n = model_config.num_layers
+    full = _hash(EngineConfig(), model_config)
+    w8 = _windowed(model_config, (8,) * n)
+    assert _hash(EngineConfig(), w8) != full
+    assert _hash(EngineConfig(), w8) != _hash(EngineConfig(), _windowed(model_config, (16,) * n))
+    mixed = _windowed(model_config, (None,) * (n - 1) + (8,))
+    assert _hash(EngineConfig(), mixed) not in (full, _hash(EngineConfig(), w8))
+    f, g = (CompatFactors.for_transfer(kv_spec_of("m", "fp", EngineConfig(), c), PullTransfer)
+            for c in (model_config, w8))
+    (diff,) = diff_factors(f, g.to_wire())
+    assert diff.name == "attention_windows" and "full" in diff.local and "8" in diff.remote
+
+
+def test_windows_factor_names_each_layer() -> None:
+    assert ModelKVSpec.windows_factor([]) == ModelKVSpec.windows_factor([None, None]) == "full"
+    assert ModelKVSpec.windows_factor([None, 4096]) == "full,4096"
+    assert ModelKVSpec.windows_factor([7, 7]) == "7,7"
+
+
+_FAMILY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "sliding_window": 8}
+FAMILIES = {  # families whose own configs place the windows (HF's default layer patterns)
+    "gemma2": {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]},
+    "gemma3": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]},
+    "gpt_oss": {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+                "num_local_experts": 4},
+    "qwen3_moe": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                  "use_sliding_window": True},
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_familys_windows_are_the_one_attention_windows_factor(family: str) -> None:
+    """Gemma, gpt-oss and Qwen3-MoE windows are ModelConfig.layer_windows like everyone's:
+    a different window differs in attention_windows alone (no family key repeats it in the
+    rope factor, so one change is never counted twice)."""
+    from shared.model.config import ModelConfig
+
+    def factors(window: int) -> CompatFactors:
+        config = ModelConfig.from_hf({**_FAMILY, **FAMILIES[family], "sliding_window": window})
+        assert any(w == window for w in config.layer_windows)
+        spec = kv_spec_of("m", "fp", EngineConfig(), config)
+        assert spec.attention_windows == ModelKVSpec.windows_factor(config.layer_windows)
+        assert not [k for k, _ in spec.rope if "window" in k or "layer_types" in k]
+        return CompatFactors.for_transfer(spec, PullTransfer)
+
+    w8, w16 = factors(8), factors(16)
+    (diff,) = diff_factors(w8, w16.to_wire())
+    assert diff.name == "attention_windows" and "8" in diff.local and "16" in diff.remote

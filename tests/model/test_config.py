@@ -144,21 +144,73 @@ def test_explicit_head_dim_and_mqa() -> None:
     assert our_view(m) == hf_view({**LLAMA, "head_dim": 32, "num_key_value_heads": 1})
 
 
+def hf_windows(d: dict) -> tuple[int | None, ...]:
+    """Each layer's window as HF's modeling code reads it (independent reference): Qwen2/3,
+    Gemma 2/3 and gpt-oss attention take config.sliding_window on "sliding_attention" layers;
+    Mistral, Phi-3 and Qwen3-MoE pass config.sliding_window to every layer."""
+    c = AutoConfig.for_model(**{k: v for k, v in d.items() if k != "architectures"})
+    n = c.num_hidden_layers
+    by_type = ("qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss")
+    types = c.layer_types if d["model_type"] in by_type else ["sliding_attention"] * n
+    windows = tuple(c.sliding_window if t == "sliding_attention" else None for t in types)
+    return () if all(w is None for w in windows) else windows
+
+
 @pytest.mark.parametrize("extra", [
     {"model_type": "mistral", "sliding_window": 128},
     {"model_type": "mistral"},  # HF's Mistral default window is 4096 < 131072
+    {"model_type": "mistral", "sliding_window": 64,  # HF Mistral ignores layer_types
+     "layer_types": ["full_attention", "sliding_attention"]},
+    {"model_type": "phi3", "sliding_window": 32},
     {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 128,
      "max_window_layers": 1},
     {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 128,
      "max_window_layers": 0},
-    {"model_type": "llama", "sliding_window": 64, "layer_types": ["sliding_attention"] * 2},
+    {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 16,
+     "layer_types": ["sliding_attention", "full_attention"]},
+    {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 16,
+     "max_window_layers": 0},
+    {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16},  # 28 > 2 layers
+    {"model_type": "qwen3_moe", "use_sliding_window": True, "sliding_window": 16},
+    {"model_type": "qwen3_moe", "use_sliding_window": False, "sliding_window": 16},
+    {"model_type": "gemma2", "sliding_window": 16, "hidden_activation": "gelu_pytorch_tanh"},
+    {"model_type": "gemma3_text", "sliding_window": 16, "num_hidden_layers": 7,
+     "hidden_activation": "gelu_pytorch_tanh"},  # HF's default pattern: layer 6 is full
+    {"model_type": "gpt_oss", "sliding_window": 16, "num_local_experts": 4},
+    {"model_type": "gpt_oss", "sliding_window": 16, "num_local_experts": 4,
+     "layer_types": ["full_attention", "sliding_attention"]},
 ])
-def test_sliding_window_smaller_than_context_is_refused(extra: dict) -> None:
+def test_layer_windows_follow_hf(extra: dict) -> None:
     cfg = {**LLAMA, "architectures": None, **extra}
     if "max_position_embeddings" not in extra and extra["model_type"] == "mistral":
         cfg.pop("max_position_embeddings")
-    with pytest.raises(ValueError, match="sliding_window"):
-        ModelConfig.from_hf(cfg)
+    m = ModelConfig.from_hf(cfg)
+    assert m.layer_windows == hf_windows(cfg)
+    windows = [m.window(i) for i in range(m.num_layers)]
+    assert m.kv_window == (None if None in windows else max(windows))  # type: ignore[type-var]
+
+
+def test_mixed_layers_have_no_kv_window() -> None:
+    m = ModelConfig.from_hf({**LLAMA, "architectures": None, "model_type": "qwen2",
+                             "use_sliding_window": True, "sliding_window": 8,
+                             "max_window_layers": 1})
+    assert m.layer_windows == (None, 8) and m.kv_window is None
+    assert ModelConfig.from_hf(LLAMA).kv_window is None
+
+
+@pytest.mark.parametrize("extra, match", [
+    # HF Llama has no sliding-window attention: refuse rather than guess.
+    ({"model_type": "llama", "sliding_window": 64, "layer_types": ["sliding_attention"] * 2},
+     "sliding_window=64"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8,
+      "layer_types": ["chunked_attention"] * 2}, "layer_types"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8,
+      "layer_types": ["sliding_attention"]}, "layer_types"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window"),
+])
+def test_unsupported_sliding_window_settings_are_refused(extra: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**LLAMA, "architectures": None, **extra})
 
 
 @pytest.mark.parametrize("extra", [

@@ -17,7 +17,7 @@ from kernels import mxfp4
 from shared.model.gpt_oss import GptOssForCausalLM as Ours
 from shared.model.loader import load_model
 from shared.model.quant import MXFP4Linear
-from tests.support.gpt_oss_ckpt import write_gpt_oss
+from tests.support.gpt_oss_ckpt import WINDOW, write_gpt_oss
 from tests.support.model import PagedRunner, random_ids
 
 VOCAB = 256
@@ -45,7 +45,8 @@ def test_config_reads_the_gpt_oss_layout(dense: Path) -> None:
     _, cfg = load_model(dense, torch.float32)
     spec = cfg.gpt_oss
     assert spec is not None and (spec.num_experts, spec.top_k) == (4, 2)
-    assert spec.layer_types == ("sliding_attention", "full_attention")
+    # HF's default layer_types alternate, sliding first: the windows are ModelConfig's.
+    assert cfg.layer_windows == (WINDOW, None) and cfg.kv_window is None
     assert cfg.rope.type.value == "yarn" and cfg.rope.attention_factor > 1.0
     assert cfg.attention_bias and cfg.attention_out_bias
 

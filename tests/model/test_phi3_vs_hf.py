@@ -80,11 +80,12 @@ def test_phi3_batched_prefill_matches_hf(pair) -> None:
         assert int(logits[seq][-1].argmax()) == _hf_greedy(hf, prompt, 1)[0]
 
 
-def test_phi3_sliding_window_smaller_than_context_is_refused() -> None:
+def test_phi3_sliding_window_applies_to_every_layer() -> None:
+    """HF Phi-3 slides every layer by sliding_window (tests/model/test_sliding_window_vs_hf.py runs
+    one against HF)."""
     from shared.model.config import ModelConfig
     raw = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 256,
            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
            "num_attention_heads": 4, "max_position_embeddings": 128, "sliding_window": 16}
-    with pytest.raises(ValueError, match="sliding_window=16"):
-        ModelConfig.from_hf(raw)
-    assert ModelConfig.from_hf({**raw, "sliding_window": 128}).model_type == "phi3"
+    assert ModelConfig.from_hf(raw).layer_windows == (16, 16)
+    assert ModelConfig.from_hf({**raw, "sliding_window": None}).layer_windows == ()

@@ -26,6 +26,9 @@ FAMILIES = {
     # Fused qkv_proj/gate_up_proj in the checkpoint; Phi-4-mini's partial rotary.
     "phi3": ModelSpec(arch="phi3", preset="tiny", tie_word_embeddings=False, seed=5,
                       max_position_embeddings=2304, partial_rotary_factor=0.75),
+    # Every layer slides over 8 positions: the decode drops blocks the prefill sent whole.
+    "mistral_sliding": ModelSpec(arch="mistral", preset="tiny", tie_word_embeddings=False,
+                                 seed=5, max_position_embeddings=2304, sliding_window=8),
     # Routed experts on layer 1, a dense MLP on layer 0.
     "qwen3_moe": ModelSpec(arch="qwen3_moe", preset="tiny", tie_word_embeddings=False, seed=5,
                            max_position_embeddings=2304, mlp_only_layers=(0,)),

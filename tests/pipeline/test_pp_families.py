@@ -29,6 +29,13 @@ FAMILIES = {
     # Fused qkv_proj/gate_up_proj in the checkpoint; Phi-4-mini's partial rotary.
     "phi3": ModelSpec(arch="phi3", preset="small", tie_word_embeddings=False, seed=3,
                       partial_rotary_factor=0.75),
+    # Qwen2 with layers 0-1 full and 2-3 sliding over 8 positions: each stage gets its own
+    # layers' windows (by global index).
+    "qwen2_sliding": ModelSpec(arch="qwen2", preset="small", tie_word_embeddings=False, seed=3,
+                               sliding_window=8, max_window_layers=2),
+    # Every layer slides: the engine drops blocks while both stages run.
+    "mistral_sliding": ModelSpec(arch="mistral", preset="small", tie_word_embeddings=False,
+                                 seed=3, sliding_window=8),
     # Routed experts on layers 1 and 3 (decoder_sparse_step 2): one sparse layer per stage.
     "qwen3_moe": ModelSpec(arch="qwen3_moe", preset="small", tie_word_embeddings=False, seed=3,
                            decoder_sparse_step=2),

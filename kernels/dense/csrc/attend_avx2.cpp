@@ -1,5 +1,6 @@
 // AVX2 paged causal attention for the fused decoder layer (layer.h: attend_avx2): each work item
-// is one (row, kv head); its G = H / KVH query heads attend to keys 0..pos of their sequence,
+// is one (row, kv head); its G = H / KVH query heads attend to keys 0..pos of their sequence
+// (first_key(c, pos)..pos in a sliding-window layer),
 // read straight from the block table (no gather, no padding, no mask). fp32 math throughout:
 // scores (q . k) * scale, softmax with exp256 (the AVX-512 tier's exp, bit for bit), then the
 // p-weighted sum of V divided by the softmax sum, rounded to bf16 once.
@@ -28,14 +29,17 @@ namespace {
 
 constexpr int kMaxGroup = 16;  // query heads per kv head handled by one work item
 
-// off[j] = element offset of key j's row (kv head 0) in the k / v cache, j < L: walks the block
-// table once per block, so the key loops below never divide.
-void key_offsets(const StepArgs& s, const CacheArgs& c, int64_t b, int64_t L, int64_t* off) {
+// off[j - first] = element offset of key j's row (kv head 0) in the k / v cache, for
+// first <= j < end: walks the block table once per block, so the key loops below never divide.
+void key_offsets(const StepArgs& s, const CacheArgs& c, int64_t b, int64_t first, int64_t end,
+                 int64_t* off) {
   const int64_t row = c.num_kv_heads * c.head_dim;
-  for (int64_t j0 = 0, bi = 0; j0 < L; j0 += s.block_size, ++bi) {
+  for (int64_t j0 = first; j0 < end;) {
+    const int64_t bi = j0 / s.block_size, o0 = j0 - bi * s.block_size;
     const int64_t base = int64_t{s.block_tables[b * s.max_blocks + bi]} * s.block_size * row;
-    const int64_t n = L - j0 < s.block_size ? L - j0 : s.block_size;
-    for (int64_t o = 0; o < n; ++o) off[j0 + o] = base + o * row;
+    const int64_t n = end - j0 < s.block_size - o0 ? end - j0 : s.block_size - o0;
+    for (int64_t o = 0; o < n; ++o) off[j0 - first + o] = base + (o0 + o) * row;
+    j0 += n;
   }
 }
 
@@ -156,8 +160,10 @@ void attend_avx2(const uint16_t* q, const StepArgs& s, const CacheArgs& c, float
     int64_t pos, slot;
     locate(s, t, &pos, &slot);
     const int64_t row0 = (t * c.num_heads + g * group) * d;  // first head of the group
-    key_offsets(s, c, s.token_seq[t], pos + 1, offsets);
-    item_fn(q + row0, c.k + g * d, c.v + g * d, offsets, pos + 1, d, scale, qf, sc, out + row0);
+    const int64_t first = first_key(c, pos);
+    key_offsets(s, c, s.token_seq[t], first, pos + 1, offsets);
+    item_fn(q + row0, c.k + g * d, c.v + g * d, offsets, pos + 1 - first, d, scale, qf, sc,
+            out + row0);
   }
 }
 

@@ -1,5 +1,6 @@
 // Paged causal attention for the fused decoder layer (layer.h: attend_avx512): each work item is
-// one (row, kv head); its H / KVH query heads attend to keys 0..pos of their sequence, read
+// one (row, kv head); its H / KVH query heads attend to keys 0..pos of their sequence
+// (first_key(c, pos)..pos in a sliding-window layer), read
 // straight from the block table (no gather, no padding, no mask). fp32 math throughout.
 // Fast path (head_dim 64 or 128, group <= 8): q kept in registers, scores for 16 keys at a time
 // reduced by a transpose-and-add tree, then one pass over V with the group's accumulators in
@@ -22,13 +23,15 @@ namespace {
 
 constexpr int kMaxGroup = 16;  // query heads per kv head handled by one work item
 
-// Scores s[h * L + j] = scale * q_h . K[j] for the kv head g of row t, j < L.
+// Scores s[h * L + j] = scale * q_h . K[first + j] for the kv head g of row t, j < L.
 void scores(const uint16_t* q_row, const StepArgs& s, const CacheArgs& c, int64_t b, int64_t g,
-            int64_t group, int64_t L, float scale, float* sc) {
+            int64_t group, int64_t first, int64_t L, float scale, float* sc) {
   const int64_t d = c.head_dim;
   for (int64_t j = 0; j < L; ++j) {
-    const int64_t blk = s.block_tables[b * s.max_blocks + j / s.block_size];
-    const uint16_t* kp = c.k + ((blk * s.block_size + j % s.block_size) * c.num_kv_heads + g) * d;
+    const int64_t key = first + j;
+    const int64_t blk = s.block_tables[b * s.max_blocks + key / s.block_size];
+    const uint16_t* kp =
+        c.k + ((blk * s.block_size + key % s.block_size) * c.num_kv_heads + g) * d;
     __m512 acc[kMaxGroup];
     for (int64_t h = 0; h < group; ++h) acc[h] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 16) {
@@ -68,10 +71,11 @@ void attend_generic(const uint16_t* q, const StepArgs& s, const CacheArgs& c, fl
     const int64_t t = item / kvh, g = item % kvh;
     int64_t pos, slot;
     locate(s, t, &pos, &slot);
-    const int64_t b = s.token_seq[t], L = pos + 1;  // causal: keys 0..pos
+    const int64_t first = first_key(c, pos);  // causal: keys first..pos
+    const int64_t b = s.token_seq[t], L = pos + 1 - first;
     const int64_t head0 = g * group;
     const uint16_t* q_row = q + (t * c.num_heads + head0) * d;
-    scores(q_row, s, c, b, g, group, L, scale, scratch);
+    scores(q_row, s, c, b, g, group, first, L, scale, scratch);
     float inv[kMaxGroup];
     for (int64_t hh = 0; hh < group; ++hh) inv[hh] = 1.0f / softmax_numerator(scratch + hh * L, L);
     for (int64_t i = 0; i < d; i += 16) {  // one 16-lane slice of the head dim at a time
@@ -79,8 +83,9 @@ void attend_generic(const uint16_t* q, const StepArgs& s, const CacheArgs& c, fl
       __m512 acc[kMaxGroup];
       for (int64_t hh = 0; hh < group; ++hh) acc[hh] = _mm512_setzero_ps();
       for (int64_t j = 0; j < L; ++j) {
-        const int64_t blk = s.block_tables[b * s.max_blocks + j / s.block_size];
-        const uint16_t* vp = c.v + ((blk * s.block_size + j % s.block_size) * kvh + g) * d + i;
+        const int64_t key = first + j;
+        const int64_t blk = s.block_tables[b * s.max_blocks + key / s.block_size];
+        const uint16_t* vp = c.v + ((blk * s.block_size + key % s.block_size) * kvh + g) * d + i;
         const __m512 vv = load_bf16(vp, m);
         for (int64_t hh = 0; hh < group; ++hh) {
           acc[hh] = _mm512_fmadd_ps(_mm512_set1_ps(scratch[hh * L + j]), vv, acc[hh]);
@@ -94,14 +99,17 @@ void attend_generic(const uint16_t* q, const StepArgs& s, const CacheArgs& c, fl
   }
 }
 
-// off[j] = element offset of key j's row (kv head 0) in the k / v cache, j < L: walks the block
-// table once per block, so the key loops below never divide.
-void key_offsets(const StepArgs& s, const CacheArgs& c, int64_t b, int64_t L, int64_t* off) {
+// off[j - first] = element offset of key j's row (kv head 0) in the k / v cache, for
+// first <= j < end: walks the block table once per block, so the key loops below never divide.
+void key_offsets(const StepArgs& s, const CacheArgs& c, int64_t b, int64_t first, int64_t end,
+                 int64_t* off) {
   const int64_t row = c.num_kv_heads * c.head_dim;
-  for (int64_t j0 = 0, bi = 0; j0 < L; j0 += s.block_size, ++bi) {
+  for (int64_t j0 = first; j0 < end;) {
+    const int64_t bi = j0 / s.block_size, o0 = j0 - bi * s.block_size;
     const int64_t base = int64_t{s.block_tables[b * s.max_blocks + bi]} * s.block_size * row;
-    const int64_t n = std::min(s.block_size, L - j0);
-    for (int64_t o = 0; o < n; ++o) off[j0 + o] = base + o * row;
+    const int64_t n = std::min(s.block_size - o0, end - j0);
+    for (int64_t o = 0; o < n; ++o) off[j0 - first + o] = base + (o0 + o) * row;
+    j0 += n;
   }
 }
 
@@ -217,8 +225,10 @@ void attend_avx512(const uint16_t* q, const StepArgs& s, const CacheArgs& c, flo
     int64_t pos, slot;
     locate(s, t, &pos, &slot);
     const int64_t row0 = (t * c.num_heads + g * group) * d;  // first head of the group
-    key_offsets(s, c, s.token_seq[t], pos + 1, offsets);
-    fast(q + row0, c.k + g * d, c.v + g * d, offsets, pos + 1, scale, scratch, out + row0);
+    const int64_t first = first_key(c, pos);
+    key_offsets(s, c, s.token_seq[t], first, pos + 1, offsets);
+    fast(q + row0, c.k + g * d, c.v + g * d, offsets, pos + 1 - first, scale, scratch,
+         out + row0);
   }
 }
 

@@ -198,7 +198,8 @@ void run_layer(const Plan& p, int64_t i, Shared& sh, Private& pv, int tid, int t
 }  // namespace
 
 void decode_team(at::Tensor& h, at::Tensor& kv_cache, const at::Tensor& cos_sin, const Step& s,
-                 const std::vector<Block>& blocks, const Heads& g) {
+                 const std::vector<Block>& blocks, const Heads& g,
+                 const std::vector<int64_t>& windows) {
   const int64_t m = h.size(0), hidden = h.size(1);
   TORCH_CHECK(m <= kGemvMaxRows, "dense layer: the decode team takes at most ", kGemvMaxRows,
               " rows");
@@ -210,7 +211,7 @@ void decode_team(at::Tensor& h, at::Tensor& kv_cache, const at::Tensor& cos_sin,
     TORCH_CHECK(blocks[i].down.in_features() == inter,
                 "dense layer: layers differ in intermediate size");
     caches.push_back(CacheArgs{bits(kv[0]), bits(kv[1]), g.heads, g.kv_heads, d,
-                               cos_sin.size(1)});
+                               cos_sin.size(1), windows[i]});
   }
   const Plan plan{s, blocks, g, *g.kernels, Gemv(g.path), bits(h), bits(cos_sin), caches,
                   m, hidden, inter, d, (g.heads + 2 * g.kv_heads) * d};

@@ -28,11 +28,19 @@ struct StepArgs {
 // Paged-cache geometry of one layer: k/v [num_blocks, block_size, kv_heads, head_dim] bf16.
 // RoPE rotates the first rotary_dim (even, <= head_dim) channels of each q / k head and
 // passes the rest through (partial rotary, HF Phi3); rotary_dim == head_dim rotates it all.
+// window > 0: a sliding-window layer, whose query at position p attends to keys
+// p - window < j <= p only (HF semantics); 0: full causal attention (keys 0..p).
 struct CacheArgs {
   uint16_t* k;
   uint16_t* v;
   int64_t num_heads, num_kv_heads, head_dim, rotary_dim;
+  int64_t window = 0;
 };
+
+// The first key the query at position pos attends to in a layer of cache c.
+static inline int64_t first_key(const CacheArgs& c, int64_t pos) {
+  return c.window > 0 && pos + 1 > c.window ? pos + 1 - c.window : 0;
+}
 
 // out[t, :] = bf16(bf16(x[t] * rsqrt(mean(x[t]^2) + eps)) * w) for rows [t0, t1).
 void rms_norm_avx512(const uint16_t* x, const uint16_t* w, int64_t n, float eps, uint16_t* out,
@@ -52,7 +60,8 @@ void rope_store_avx512(const uint16_t* qkv, const uint16_t* cos_sin, const StepA
                        const CacheArgs& c, uint16_t* q_out, int64_t t0, int64_t t1);
 
 // Causal attention over the paged cache for work items [i0, i1), item = row * KVH + kv head:
-// the H / KVH query heads of that kv head attend to positions 0..pos of their sequence.
+// the H / KVH query heads of that kv head attend to positions first_key(c, pos)..pos of their
+// sequence (keys before that are never read: their blocks may have been reused).
 // q [T, H D] bf16 -> out [T, H D] bf16; fp32 math (scores, softmax, weighted sum).
 // scratch: (H / KVH) * (max context + D) floats and offsets: (max context) int64, both owned
 // by the calling thread. (attend_avx512.cpp, attend_avx2.cpp)

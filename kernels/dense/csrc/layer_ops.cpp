@@ -3,19 +3,21 @@
 // 3 avx512_bf16; 1 and 3 share the elementwise and attention kernels and differ in the GEMV
 // only) and raises if this CPU cannot run it.
 //   rope_attention(qkv, kv_layer!, cos_sin, block_tables, context_lens, query_start,
-//                  num_heads, num_kv_heads, scale, path) -> Tensor [T, H D]
+//                  num_heads, num_kv_heads, scale, path, window=0) -> Tensor [T, H D]
 //       RoPE on q and k, K/V written to the paged cache, causal attention over each sequence's
-//       context read straight from its block table (any T: prefill chunks and decode rows).
+//       context read straight from its block table (any T: prefill chunks and decode rows);
+//       window > 0: a sliding window, the query at position p reads keys p - window < j <= p.
 //   decoder_layers(h!, kv_cache!, cos_sin, block_tables, context_lens, query_start,
-//                  Tensor?[] weights, num_heads, num_kv_heads, eps, scale, path, mxfp4_path)
-//       -> ()
+//                  Tensor?[] weights, num_heads, num_kv_heads, eps, scale, path, mxfp4_path,
+//                  team=True, windows=[]) -> ()
 //       Whole pre-norm Llama blocks on the bf16 residual stream h [T, hidden], in place, one per
 //       layer of kv_cache [L, 2, ...], so a decode step costs one dispatch. weights holds
 //       kWeightsPerLayer entries per layer: ln1, ln2, then (weight, scales, bias) for each of
 //       the qkv, o, gate_up and down projections. A projection with scales is MXFP4 (weight =
 //       blocks uint8 [n, k/32, 16], scales uint8 [n, k/32], bias fp32) and runs the MXFP4
 //       library's fused kernel (op pdmesh_mxfp4::linear, code path mxfp4_path); without, it is
-//       dense bf16 [n, k] and runs this library's GEMV (code path `path`).
+//       dense bf16 [n, k] and runs this library's GEMV (code path `path`). windows: each
+//       layer's sliding window (0: full), or empty for none.
 //   rms_norm(x, w, eps, path) -> Tensor;  add_rms_norm(h!, y, w, eps, path) -> Tensor
 //       (h += y, then norm);  silu_mul(gu [T, 2 I], path) -> Tensor [T, I];  add_(h!, y, path)
 //       The block's elementwise steps alone, for callers that run the projections themselves
@@ -109,9 +111,9 @@ namespace {
 // RoPE + cache write, then attention: qkv [T, (H + 2 KVH) D] -> [T, H D].
 at::Tensor attention_core(const LayerKernels& k, const at::Tensor& qkv, at::Tensor& kv,
                           const at::Tensor& cos_sin, const Step& s, int64_t heads,
-                          int64_t kv_heads, double scale) {
+                          int64_t kv_heads, double scale, int64_t window) {
   const int64_t d = kv.size(4), rows = s.rows;
-  const CacheArgs c{bits(kv[0]), bits(kv[1]), heads, kv_heads, d, cos_sin.size(1)};
+  const CacheArgs c{bits(kv[0]), bits(kv[1]), heads, kv_heads, d, cos_sin.size(1), window};
   at::Tensor q = at::empty({rows, heads * d}, qkv.options());
   at::Tensor out = at::empty({rows, heads * d}, qkv.options());
   at::parallel_for(0, rows, 16, [&](int64_t t0, int64_t t1) {
@@ -120,8 +122,8 @@ at::Tensor attention_core(const LayerKernels& k, const at::Tensor& qkv, at::Tens
   const int64_t group = heads / kv_heads;
   // Work items of at least kMinKeysPerChunk keys per chunk: a decode step's few short items run
   // inline rather than paying a parallel region's fork and barrier.
-  const int64_t grain =
-      std::max<int64_t>(1, kMinKeysPerChunk / std::max<int64_t>(1, s.max_context));
+  const int64_t keys = window > 0 ? std::min(window, s.max_context) : s.max_context;
+  const int64_t grain = std::max<int64_t>(1, kMinKeysPerChunk / std::max<int64_t>(1, keys));
   at::parallel_for(0, rows * kv_heads, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> scratch(group * (s.max_context + d));
     std::vector<int64_t> offsets(s.max_context);
@@ -152,11 +154,13 @@ namespace {
 
 at::Tensor rope_attention(const at::Tensor& qkv, at::Tensor kv, const at::Tensor& cos_sin,
                           const at::Tensor& tables, const at::Tensor& ctx, const at::Tensor& qs,
-                          int64_t heads, int64_t kv_heads, double scale, int64_t path) {
+                          int64_t heads, int64_t kv_heads, double scale, int64_t path,
+                          int64_t window) {
   const LayerKernels& k = kernels_for(path);
   check_geometry(qkv, kv, cos_sin, heads, kv_heads);
+  TORCH_CHECK(window >= 0, "dense layer: window must be >= 0 (0: full attention)");
   const Step s = make_step(tables, ctx, qs, qkv.size(0), kv, cos_sin.size(0));
-  return attention_core(k, qkv, kv, cos_sin, s, heads, kv_heads, scale);
+  return attention_core(k, qkv, kv, cos_sin, s, heads, kv_heads, scale, window);
 }
 
 // The MXFP4 library's fused linear, found through the dispatcher: that library is built and
@@ -232,7 +236,7 @@ namespace {
 
 // h [T, hidden] <- the whole pre-norm block, in place; s was validated against this cache.
 void run_block(at::Tensor& h, at::Tensor kv, const at::Tensor& cos_sin, const Step& s,
-               const Block& w, const Heads& g) {
+               const Block& w, const Heads& g, int64_t window) {
   const int64_t rows = h.size(0), hidden = h.size(1);
   check_block(w, hidden, kv, g);
   const LayerKernels& k = *g.kernels;
@@ -240,7 +244,8 @@ void run_block(at::Tensor& h, at::Tensor kv, const at::Tensor& cos_sin, const St
   rms_norm_rows(k, h, w.ln1, g.eps, xn);
   const at::Tensor qkv = project(xn, w.qkv, g);
   check_geometry(qkv, kv, cos_sin, g.heads, g.kv_heads);
-  const at::Tensor attn = attention_core(k, qkv, kv, cos_sin, s, g.heads, g.kv_heads, g.scale);
+  const at::Tensor attn =
+      attention_core(k, qkv, kv, cos_sin, s, g.heads, g.kv_heads, g.scale, window);
   add_rows(k, h, project(attn, w.o, g));
   rms_norm_rows(k, h, w.ln2, g.eps, xn);
   const at::Tensor gu = project(xn, w.gate_up, g);
@@ -280,12 +285,19 @@ void decoder_layers(at::Tensor h, at::Tensor kv_cache, const at::Tensor& cos_sin
                     const at::Tensor& tables, const at::Tensor& ctx, const at::Tensor& qs,
                     const c10::List<std::optional<at::Tensor>>& weights, int64_t heads,
                     int64_t kv_heads, double eps, double scale, int64_t path,
-                    int64_t mxfp4_path, bool team) {
+                    int64_t mxfp4_path, bool team, at::IntArrayRef windows_in) {
   check_tensor(h, "h", at::kBFloat16, 2);
   check_tensor(kv_cache, "kv_cache", at::kBFloat16, 6);
   const int64_t layers = kv_cache.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * layers,
               "dense layer: weights must hold ", kWeightsPerLayer, " entries per cache layer");
+  TORCH_CHECK(windows_in.empty() || static_cast<int64_t>(windows_in.size()) == layers,
+              "dense layer: windows must be empty or hold one entry per cache layer");
+  std::vector<int64_t> windows(layers, 0);  // 0: full causal attention
+  for (int64_t i = 0; i < static_cast<int64_t>(windows_in.size()); ++i) {
+    TORCH_CHECK(windows_in[i] >= 0, "dense layer: windows must be >= 0 (0: full attention)");
+    windows[i] = windows_in[i];
+  }
   const Step s = make_step(tables, ctx, qs, h.size(0), kv_cache[0], cos_sin.size(0));
   const Heads g{heads, kv_heads, static_cast<float>(eps), scale, path, mxfp4_path,
                 &kernels_for(path)};
@@ -296,10 +308,12 @@ void decoder_layers(at::Tensor h, at::Tensor kv_cache, const at::Tensor& cos_sin
     return b.qkv.scales || b.o.scales || b.gate_up.scales || b.down.scales;
   });
   if (team && dense && h.size(0) <= kGemvMaxRows) {
-    decode_team(h, kv_cache, cos_sin, s, blocks, g);  // one parallel region for every layer
+    decode_team(h, kv_cache, cos_sin, s, blocks, g, windows);  // one region for every layer
     return;
   }
-  for (int64_t i = 0; i < layers; ++i) run_block(h, kv_cache[i], cos_sin, s, blocks[i], g);
+  for (int64_t i = 0; i < layers; ++i) {
+    run_block(h, kv_cache[i], cos_sin, s, blocks[i], g, windows[i]);
+  }
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& y) {
@@ -344,12 +358,13 @@ TORCH_LIBRARY_FRAGMENT(pdmesh_dense, m) {
   m.def(
       "rope_attention(Tensor qkv, Tensor(a!) kv_layer, Tensor cos_sin, Tensor block_tables, "
       "Tensor context_lens, Tensor query_start, int num_heads, int num_kv_heads, float scale, "
-      "int path) -> Tensor",
+      "int path, int window=0) -> Tensor",
       &pdmesh_dense::rope_attention);
   m.def(
       "decoder_layers(Tensor(a!) h, Tensor(b!) kv_cache, Tensor cos_sin, Tensor block_tables, "
       "Tensor context_lens, Tensor query_start, Tensor?[] weights, int num_heads, "
-      "int num_kv_heads, float eps, float scale, int path, int mxfp4_path, bool team=True) -> ()",
+      "int num_kv_heads, float eps, float scale, int path, int mxfp4_path, bool team=True, "
+      "int[] windows=[]) -> ()",
       &pdmesh_dense::decoder_layers);
   m.def("rms_norm(Tensor x, Tensor w, float eps, int path) -> Tensor",
         &pdmesh_dense::rms_norm_op);

@@ -65,7 +65,9 @@ void check_geometry(const at::Tensor& qkv, const at::Tensor& kv, const at::Tenso
 
 // Every layer of kv_cache [L, 2, ...] on h [T <= kGemvMaxRows, hidden] for dense bf16 blocks,
 // in one parallel region (decode_team.cpp). Bit-identical to run_block over each layer.
+// windows[i]: layer i's sliding window (0: full attention).
 void decode_team(at::Tensor& h, at::Tensor& kv_cache, const at::Tensor& cos_sin, const Step& s,
-                 const std::vector<Block>& blocks, const Heads& g);
+                 const std::vector<Block>& blocks, const Heads& g,
+                 const std::vector<int64_t>& windows);
 
 }  // namespace pdmesh_dense

@@ -41,6 +41,8 @@ class DraftModelProposer:
 
     def __init__(self, runner: ModelRunner, block_size: int, max_model_len: int) -> None:
         self.runner = runner
+        # No sliding_window: a shadow rolls back past drafts it allocated for, below where a
+        # window drop would have been counted (the draft model's attention still windows).
         self.kv = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching=False)
         self.max_model_len = max_model_len  # the draft's own limit (its config)
         self._shadows: dict[str, Request] = {}
