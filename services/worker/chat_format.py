@@ -9,6 +9,7 @@ a clear message instead of failing its first chat request.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +17,30 @@ from typing import Any
 
 from openai_harmony import HarmonyEncoding
 
+from services.worker.engine_client import TokenizerLike
+from services.worker.openai_protocol import SamplingFields
 from services.worker.parsers_config import HARMONY_MODEL_TYPES, ParsersConfig
 from shared.parsing.harmony_encoding import load_encoding
 from shared.parsing.harmony_vocab import resolve_vocab_dir
 
 log = logging.getLogger(__name__)
+
+# Where a harmony turn ends for the caller: the answer, or a call the client must run. (<|end|>
+# only closes one message of the turn.) gpt-oss's generation_config lists them as EOS; a
+# checkpoint that does not still stops there.
+HARMONY_STOPS = ("<|return|>", "<|call|>")
+
+
+def harmony_stop_ids(tokenizer: TokenizerLike) -> tuple[int, ...]:
+    """The ids of HARMONY_STOPS in the model's tokenizer, those that are one token each."""
+    ids = []
+    for marker in HARMONY_STOPS:
+        encoded = tokenizer.encode(marker, add_special_tokens=False)
+        if len(encoded) == 1:
+            ids.append(encoded[0])
+        else:
+            log.warning("harmony: %s is not one token of this tokenizer: no stop on it", marker)
+    return tuple(ids)
 
 
 @dataclass(frozen=True)
@@ -30,10 +50,18 @@ class ChatFormat:
 
     parsers: ParsersConfig
     harmony: HarmonyEncoding | None = None
+    stop_token_ids: tuple[int, ...] = ()  # added to every chat request's
+
+    def sampling(self, sampling: SamplingFields) -> SamplingFields:
+        """A chat request's sampling with this format's stop tokens."""
+        extra = tuple(t for t in self.stop_token_ids if t not in sampling.stop_token_ids)
+        if not extra:
+            return sampling
+        return dataclasses.replace(sampling, stop_token_ids=sampling.stop_token_ids + extra)
 
 
 def load_chat_format(parsers: ParsersConfig, model_config: Any, model_dir: Path | None,
-                     cache_dir: Path) -> ChatFormat:
+                     cache_dir: Path, tokenizer: TokenizerLike) -> ChatFormat:
     """The format of the model described by `model_config` (its `model_type`, when it has
     one), loading openai-harmony's vocabulary for a harmony model. ValueError if that
     vocabulary cannot be found or derived."""
@@ -48,4 +76,4 @@ def load_chat_format(parsers: ParsersConfig, model_config: Any, model_dir: Path 
     encoding = load_encoding(vocab_dir)
     log.info("chat format: harmony (vocabulary in %s; parsers %s/%s)", vocab_dir,
              effective.tool_call_parser, effective.reasoning_parser)
-    return ChatFormat(effective, encoding)
+    return ChatFormat(effective, encoding, harmony_stop_ids(tokenizer))

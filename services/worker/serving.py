@@ -87,7 +87,8 @@ class GenerationService:
         self.admission = admission
         self.pd_legs = pd_legs  # None on a mixed worker, which ignores kv_transfer_params
         self.chat_format = load_chat_format(config.parsers, engine.model_config,
-                                            engine.model_dir, config.engine.resolved_cache_dir)
+                                            engine.model_dir, config.engine.resolved_cache_dir,
+                                            engine.tokenizer)
         self.prompts = PromptBuilder(engine, self.chat_format.harmony)
         self.formatter = LogprobFormatter(engine.tokenizer)
         self.system_fingerprint = f"pdmesh-{engine.fingerprint[:16]}"
@@ -193,7 +194,8 @@ class GenerationService:
         model = self.resolve_model(req.common.model)
         prompt = self._resume([self.prompts.chat_prompt(req)], req.common.sampling, leg)[0]
         plan = plan_chat_output(self.chat_format.parsers, req.tools, prompt.text)
-        sampling = plan.sampling(req.common.sampling, self.engine.tokenizer)
+        sampling = plan.sampling(self.chat_format.sampling(req.common.sampling),
+                                 self.engine.tokenizer)
         sampling, wanted = self._leg_sampling(leg, sampling, req.max_tokens)
         max_tokens = self.prompts.max_tokens_for(len(prompt.token_ids), wanted,
                                                  "messages", req.max_tokens_param)

@@ -15,6 +15,7 @@ import shutil
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -31,7 +32,9 @@ from openai_harmony import (
 from tokenizers import Tokenizer
 from transformers import GptOssConfig, GptOssForCausalLM
 
+from services.worker.chat_format import load_chat_format
 from services.worker.config import WorkerConfig
+from services.worker.openai_protocol import SamplingFields
 from services.worker.parsers_config import ParsersConfig
 from shared.config import EngineConfig
 from shared.parsing.harmony_encoding import encoding
@@ -189,3 +192,28 @@ def test_tiny_gpt_oss_checkpoint_speaks_harmony(tiny_gpt_oss: Path,
         assert status == 400 and bad["error"]["param"] == "tool_choice"
     finally:
         server.stop()
+
+
+class _ModelTokenizer:
+    """The checkpoint's tokenizer.json read by `tokenizers` directly, as TokenizerLike."""
+
+    def __init__(self, path: Path) -> None:
+        self.tok = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def test_a_harmony_turn_ends_at_return_and_call(tiny_gpt_oss: Path,
+                                                harmony_vocab_dir: Path) -> None:
+    tok = _ModelTokenizer(tiny_gpt_oss / "tokenizer.json")
+    fmt = load_chat_format(ParsersConfig(harmony_vocab=harmony_vocab_dir),
+                           SimpleNamespace(model_type="gpt_oss"), tiny_gpt_oss,
+                           tiny_gpt_oss / "cache", tok)
+    want = (tok.tok.token_to_id("<|return|>"), tok.tok.token_to_id("<|call|>"))
+    assert fmt.stop_token_ids == want and fmt.harmony is not None
+    assert fmt.sampling(SamplingFields(stop_token_ids=(7,))).stop_token_ids == (7, *want)
+    plain = load_chat_format(ParsersConfig(), SimpleNamespace(model_type="llama"), tiny_gpt_oss,
+                             tiny_gpt_oss / "cache", tok)
+    assert plain.harmony is None and plain.parsers == ParsersConfig()
+    assert plain.sampling(SamplingFields()) == SamplingFields()
