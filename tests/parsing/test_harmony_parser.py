@@ -29,6 +29,9 @@ OUTPUTS = {
     "preamble_and_two_calls": '<|channel|>analysis<|message|>Two cities.<|end|>'
                               '<|start|>assistant<|channel|>commentary<|message|>Checking both.'
                               '<|end|>' + CALL + CALL.replace("Paris", "Oslo"),
+    "recipient_before_channel": '<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant'
+                                ' to=functions.get_weather<|channel|>commentary json<|message|>'
+                                '{"city": "Lima"}<|call|>',
     "stopped_before_call_token": '<|channel|>commentary to=functions.get_weather <|constrain|>json'
                                  '<|message|>{"city": "Rome"}',
 }
