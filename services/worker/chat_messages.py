@@ -72,7 +72,10 @@ def parse_message(index: int, message: Any) -> dict[str, Any]:
     out["content"] = text if text is not None else ""
     if has_tool_calls:
         out["tool_calls"] = _parse_tool_calls(message["tool_calls"], where)
-    for key in ("name", "tool_call_id"):
+    keys: tuple[str, ...] = ("name", "tool_call_id")
+    if role == "assistant":  # an earlier turn's reasoning (harmony renders it; templates may)
+        keys += ("reasoning_content", "reasoning")
+    for key in keys:
         value = message.get(key)
         if value is not None:
             if not isinstance(value, str):

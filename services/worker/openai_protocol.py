@@ -105,6 +105,7 @@ class ChatRequest:
     logprobs: bool
     top_logprobs: int | None
     add_generation_prompt: bool
+    reasoning_effort: str | None = None  # harmony's system message (gpt-oss); None: medium
 
 
 def parse_sampling(f: Fields) -> SamplingFields:
@@ -207,4 +208,5 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         add_generation_prompt=f.read(CHAT["add_generation_prompt"]),
+        reasoning_effort=f.read(CHAT["reasoning_effort"]),
     )

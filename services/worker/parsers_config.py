@@ -3,18 +3,28 @@
     --enable-auto-tool-choice     tool_choice "auto" (the default with tools) is allowed
     --tool-call-parser NAME       how the model writes calls (hermes, llama3_json, ...)
     --reasoning-parser NAME       how the model writes its reasoning (think, qwen3, ...)
+    --harmony-vocab PATH          o200k_base.tiktoken (or its directory) for gpt-oss's harmony
+
+A gpt-oss model (model_type gpt_oss) with neither parser set reads its output in the harmony
+format with tool calls on (`for_model`): its prompts are rendered in harmony too, which has
+the tools built in. openai-harmony needs OpenAI's o200k vocabulary file; without
+--harmony-vocab the worker derives it from the checkpoint's tokenizer.json into its cache
+directory (shared/parsing/harmony_vocab.py).
 
 Names are checked against `shared.parsing`'s registries where the flags are parsed (argparse
 lists the valid ones), and again when the configuration is built, since the environment
-(`PDMESH_TOOL_CALL_PARSER`, `PDMESH_REASONING_PARSER`, `PDMESH_ENABLE_AUTO_TOOL_CHOICE`, which
-compose passes to every worker) is read there too. Flags win over the environment.
+(`PDMESH_TOOL_CALL_PARSER`, `PDMESH_REASONING_PARSER`, `PDMESH_ENABLE_AUTO_TOOL_CHOICE`,
+`PDMESH_HARMONY_VOCAB`, which compose passes to every worker) is read there too. Flags win
+over the environment.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from shared.parsing import (
@@ -27,6 +37,10 @@ from shared.parsing import (
 TOOL_CALL_PARSER_ENV = "PDMESH_TOOL_CALL_PARSER"
 REASONING_PARSER_ENV = "PDMESH_REASONING_PARSER"
 AUTO_TOOL_CHOICE_ENV = "PDMESH_ENABLE_AUTO_TOOL_CHOICE"
+HARMONY_VOCAB_ENV = "PDMESH_HARMONY_VOCAB"
+HARMONY_MODEL_TYPES = ("gpt_oss",)  # models whose chat format is harmony
+# vLLM's names for gpt-oss's parsers (`--tool-call-parser openai --reasoning-parser openai_gptoss`)
+HARMONY_TOOL_PARSER, HARMONY_REASONING_PARSER = "openai", "openai_gptoss"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
@@ -43,6 +57,7 @@ class ParsersConfig:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    harmony_vocab: Path | None = None  # None: derived from a gpt-oss checkpoint's tokenizer
 
     def __post_init__(self) -> None:
         tools = get_tool_parser(self.tool_call_parser) if self.tool_call_parser else None
@@ -55,6 +70,15 @@ class ParsersConfig:
         if self.enable_auto_tool_choice and tools is None:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (one of "
                              f"{', '.join(sorted(TOOL_PARSERS))})")
+
+    def for_model(self, model_type: str) -> ParsersConfig:
+        """The parsers for this model: a harmony model with no parser configured gets the
+        harmony parsers and auto tool choice; anything configured is kept as it is."""
+        if model_type not in HARMONY_MODEL_TYPES or self.tool_call_parser or self.reasoning_parser:
+            return self
+        return dataclasses.replace(self, tool_call_parser=HARMONY_TOOL_PARSER,
+                                   reasoning_parser=HARMONY_REASONING_PARSER,
+                                   enable_auto_tool_choice=True)
 
     def describe(self) -> dict[str, Any]:
         """As /v1/metadata reports it: whose chat output gets parsed, and how."""
@@ -74,7 +98,13 @@ class ParsersConfig:
             reasoning_parser=(getattr(args, "reasoning_parser", None)
                               or environ.get(REASONING_PARSER_ENV) or None),
             enable_auto_tool_choice=auto,
+            harmony_vocab=_path(getattr(args, "harmony_vocab", None)
+                                or environ.get(HARMONY_VOCAB_ENV) or None),
         )
+
+
+def _path(value: str | None) -> Path | None:
+    return Path(value).expanduser() if value else None
 
 
 def _env_flag(environ: Mapping[str, str], name: str) -> bool:
@@ -101,6 +131,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="split reasoning out in this format: "
                             f"{', '.join(sorted(REASONING_PARSERS))} "
                             f"(default: ${REASONING_PARSER_ENV})")
+    group.add_argument("--harmony-vocab", default=None, metavar="PATH",
+                       help="OpenAI's o200k_base.tiktoken, or a directory holding it, for "
+                            "gpt-oss's harmony format (default: $" + HARMONY_VOCAB_ENV + ", else "
+                            "derived from the checkpoint's tokenizer.json into the cache)")
 
 
 def forwarded_flags(args: argparse.Namespace) -> list[str]:
@@ -108,7 +142,7 @@ def forwarded_flags(args: argparse.Namespace) -> list[str]:
     flags: list[str] = []
     if getattr(args, "enable_auto_tool_choice", None):
         flags.append("--enable-auto-tool-choice")
-    for name in ("tool_call_parser", "reasoning_parser"):
+    for name in ("tool_call_parser", "reasoning_parser", "harmony_vocab"):
         value = getattr(args, name, None)
         if value:
             flags += [f"--{name.replace('_', '-')}", value]

@@ -10,11 +10,15 @@ import dataclasses
 import logging
 from typing import Any
 
+from openai_harmony import HarmonyEncoding
+
 from services.common.errors import BadRequestError
 from services.worker.engine_client import EngineClient
 from services.worker.generation import PreparedPrompt
 from services.worker.openai_protocol import ChatRequest, Prompt, SamplingFields
 from shared.engine.sampling_params import SamplingParams
+from shared.model.chat_template import ChatTemplateError
+from shared.model.harmony_template import render_harmony
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +26,15 @@ CONTEXT_CODE = "context_length_exceeded"
 
 
 class PromptBuilder:
-    """Tokenizes prompts and sizes generations against one engine's model."""
+    """Tokenizes prompts and sizes generations against one engine's model.
 
-    def __init__(self, engine: EngineClient) -> None:
+    Chat prompts come from the checkpoint's chat template, or, given a `harmony` encoding
+    (gpt-oss), from openai-harmony's renderer; either way the text is then tokenized by the
+    model's tokenizer.
+    """
+
+    def __init__(self, engine: EngineClient, harmony: HarmonyEncoding | None = None) -> None:
+        self.harmony = harmony
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         # Ids are valid when the model has a row for them (as HF transformers takes them),
@@ -55,7 +65,14 @@ class PromptBuilder:
         return PreparedPrompt(token_ids=list(prompt), text=text)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None) -> str:
+                    tools: list[dict[str, Any]] | None,
+                    reasoning_effort: str | None = None) -> str:
+        if self.harmony is not None:
+            try:
+                return render_harmony(self.harmony, messages, tools, reasoning_effort,
+                                      add_generation_prompt)
+            except ChatTemplateError as exc:
+                raise BadRequestError(str(exc), param="messages") from None
         try:
             return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tools=tools)
@@ -64,7 +81,8 @@ class PromptBuilder:
             raise BadRequestError(f"Chat template error: {exc}", param="messages") from None
 
     def chat_prompt(self, req: ChatRequest) -> PreparedPrompt:
-        text = self.render_chat(list(req.messages), req.add_generation_prompt, req.tools.for_template)
+        text = self.render_chat(list(req.messages), req.add_generation_prompt,
+                                req.tools.for_template, req.reasoning_effort)
         # The template already holds BOS and friends: no special tokens added (as vLLM).
         ids = self.encode(text, False, "messages")
         if not ids:

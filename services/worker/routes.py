@@ -163,6 +163,7 @@ async def metadata(request: web.Request) -> web.Response:
     service = _service(request)
     doc = build_metadata(runtime.config, service.engine, runtime.admission.active,
                          runtime.kv_link)
+    doc["parsers"] = service.chat_format.parsers.describe()  # a gpt-oss model's defaults too
     # A router reads only this document: it must see a degraded model as /health does.
     left = degraded_for(service.engine.stats(), runtime.config.degraded_hold_seconds)
     doc["health"] = ({"status": "ok"} if left is None else

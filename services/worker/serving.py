@@ -33,6 +33,7 @@ from services.common.errors import BadRequestError, InternalServerError, NotFoun
 from services.common.json_body import dumps, json_response
 from services.common.middleware import REQUEST_ID_KEY
 from services.worker.admission import AdmissionControl
+from services.worker.chat_format import load_chat_format
 from services.worker.chat_output import ChatOutputPlan, plan_chat_output
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient
@@ -85,7 +86,10 @@ class GenerationService:
         self.metrics = metrics
         self.admission = admission
         self.pd_legs = pd_legs  # None on a mixed worker, which ignores kv_transfer_params
-        self.prompts = PromptBuilder(engine)
+        self.chat_format = load_chat_format(config.parsers, engine.model_config,
+                                            engine.model_dir, config.engine.resolved_cache_dir,
+                                            engine.tokenizer)
+        self.prompts = PromptBuilder(engine, self.chat_format.harmony)
         self.formatter = LogprobFormatter(engine.tokenizer)
         self.system_fingerprint = f"pdmesh-{engine.fingerprint[:16]}"
         self.sampling_defaults = model_defaults(config.generation_config, engine.model_dir)
@@ -189,8 +193,9 @@ class GenerationService:
         arrival = time.monotonic()
         model = self.resolve_model(req.common.model)
         prompt = self._resume([self.prompts.chat_prompt(req)], req.common.sampling, leg)[0]
-        plan = plan_chat_output(self.config.parsers, req.tools, prompt.text)
-        sampling = plan.sampling(req.common.sampling, self.engine.tokenizer)
+        plan = plan_chat_output(self.chat_format.parsers, req.tools, prompt.text)
+        sampling = plan.sampling(self.chat_format.sampling(req.common.sampling),
+                                 self.engine.tokenizer)
         sampling, wanted = self._leg_sampling(leg, sampling, req.max_tokens)
         max_tokens = self.prompts.max_tokens_for(len(prompt.token_ids), wanted,
                                                  "messages", req.max_tokens_param)

@@ -3,12 +3,14 @@
 Each parser is a per-request incremental scanner (`StreamParser`): `feed(delta)` returns what
 can no longer change, `finish()` flushes the end, `parse(text)` parses a complete text with
 the same code. Pick them by name (`get_tool_parser`, `get_reasoning_parser`) and chain them
-per request with `ChatStreamParser`. Pure Python, standard library only.
+per request with `ChatStreamParser`. Pure Python; the harmony format (gpt-oss) uses
+openai-harmony, whose vocabulary the worker loads at startup (harmony_encoding.py).
 """
 
 from shared.parsing.base import StreamParser, ToolParser
 from shared.parsing.channel import ChannelParser
 from shared.parsing.chat_stream import ChatStreamParser
+from shared.parsing.harmony import HarmonyParser
 from shared.parsing.hermes import HermesToolParser
 from shared.parsing.llama3_json import Llama3JsonToolParser
 from shared.parsing.messages import (
@@ -32,7 +34,7 @@ from shared.parsing.tools import ToolSet, ToolSpec
 
 __all__ = [
     "REASONING_PARSERS", "TOOL_PARSERS", "ChannelParser", "ChatStreamParser", "DeltaMessage",
-    "ExtractedMessage", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser",
+    "ExtractedMessage", "HarmonyParser", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser",
     "PythonicToolParser", "ReasoningParserFactory", "StreamParser", "ThinkParser", "ToolCall",
     "ToolCallDelta", "ToolParser", "ToolSet", "ToolSpec", "get_reasoning_parser",
     "get_tool_parser", "new_tool_call_id", "prompt_opens_reasoning",

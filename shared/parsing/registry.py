@@ -13,6 +13,7 @@ from typing import Protocol
 
 from shared.parsing.base import StreamParser, ToolParser
 from shared.parsing.channel import ChannelParser
+from shared.parsing.harmony import HarmonyParser
 from shared.parsing.hermes import HermesToolParser
 from shared.parsing.llama3_json import Llama3JsonToolParser
 from shared.parsing.mistral import MistralToolParser
@@ -43,6 +44,12 @@ def _channel(*, prompt: str | None = None) -> StreamParser:
     return ChannelParser((), prompt=prompt)
 
 
+def _harmony(*, prompt: str | None = None) -> StreamParser:
+    """gpt-oss's harmony format frames the whole turn, like the channel format: as a reasoning
+    parser it is the same class, offered no tools."""
+    return HarmonyParser((), prompt=prompt)
+
+
 TOOL_PARSERS: Mapping[str, type[ToolParser]] = MappingProxyType({
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
@@ -50,6 +57,8 @@ TOOL_PARSERS: Mapping[str, type[ToolParser]] = MappingProxyType({
     "pythonic": PythonicToolParser,
     "llama4_pythonic": PythonicToolParser,  # vLLM's name for Llama 4's use of the format
     "channel": ChannelParser,
+    "openai": HarmonyParser,  # vLLM's name for gpt-oss's harmony tool calls
+    "harmony": HarmonyParser,
 })
 
 REASONING_PARSERS: Mapping[str, ReasoningParserFactory] = MappingProxyType({
@@ -57,6 +66,8 @@ REASONING_PARSERS: Mapping[str, ReasoningParserFactory] = MappingProxyType({
     "qwen3": _think(False),
     "deepseek_r1": _think(True),
     "channel": _channel,
+    "openai_gptoss": _harmony,  # vLLM's name for gpt-oss's harmony reasoning
+    "harmony": _harmony,
 })
 
 

@@ -56,7 +56,7 @@ def test_an_unknown_name_is_refused_at_parse_time(command: str, flag: str,
 
 
 @pytest.mark.parametrize(("env", "needle"), [
-    ({"PDMESH_TOOL_CALL_PARSER": "nope"}, "valid: channel, hermes"),
+    ({"PDMESH_TOOL_CALL_PARSER": "nope"}, "valid: channel, harmony, hermes"),
     ({"PDMESH_REASONING_PARSER": "nope"}, "valid: channel, deepseek_r1"),
     ({"PDMESH_ENABLE_AUTO_TOOL_CHOICE": "1"}, "requires --tool-call-parser"),
     ({"PDMESH_ENABLE_AUTO_TOOL_CHOICE": "maybe"}, "must be one of"),
