@@ -13,8 +13,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from shared.model.make_model import ModelSpec, write_checkpoint
+from services.worker.parsers_config import ParsersConfig
+from shared.model.make_model import VOCAB_SIZE, ModelSpec, write_checkpoint
 from shared.model.registry import resolve_model
+from tests.support.gpt_oss_ckpt import write_gpt_oss
 from tests.support.pd import dispatch_pull, dispatch_push, metadata, post, settle_to_zero
 from tests.support.pd_mesh import MODEL, worker_config
 from tests.support.worker import WorkerThread, start_workers, stop_all
@@ -40,17 +42,32 @@ FAMILIES = {
 COMPLETIONS = "/v1/completions"
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+# gpt-oss (sinks, experts with biases, alternating windows, YaRN) is written by HF itself.
+GPT_OSS = "gpt_oss"
+
+
+def _checkpoint(name: str, out: Path, tokenizer_dir: Path) -> Path:
+    if name == GPT_OSS:
+        return write_gpt_oss(out, seed=5, vocab_size=VOCAB_SIZE, tokenizer_dir=tokenizer_dir, max_position_embeddings=2304)
+    return write_checkpoint(out, FAMILIES[name], tokenizer_dir)
+
+
+@pytest.fixture(scope="module", params=[*FAMILIES, GPT_OSS])
 def family_mesh(request: pytest.FixtureRequest,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, WorkerThread]]:
     tokenizer_dir = resolve_model("smollm2-135m-instruct", progress=False)
-    ckpt: Path = write_checkpoint(tmp_path_factory.mktemp(f"pd-{request.param}"),
-                                  FAMILIES[request.param], tokenizer_dir)
+    ckpt = _checkpoint(request.param, tmp_path_factory.mktemp(f"pd-{request.param}"),
+                       tokenizer_dir)
+    # A gpt-oss worker renders chat through harmony, whose o200k vocabulary a SmolLM2
+    # tokenizer is not: it is given OpenAI's file (these tests use /v1/completions).
+    parsers = (ParsersConfig(harmony_vocab=request.getfixturevalue("harmony_vocab_dir"))
+               if request.param == GPT_OSS else None)
     workers = start_workers({
-        "mixed": worker_config(ckpt, "mixed"),
-        "prefill": worker_config(ckpt, "prefill"), "decode": worker_config(ckpt, "decode"),
-        "push_prefill": worker_config(ckpt, "prefill", "push"),
-        "push_decode": worker_config(ckpt, "decode", "push"),
+        "mixed": worker_config(ckpt, "mixed", parsers=parsers),
+        "prefill": worker_config(ckpt, "prefill", parsers=parsers),
+        "decode": worker_config(ckpt, "decode", parsers=parsers),
+        "push_prefill": worker_config(ckpt, "prefill", "push", parsers=parsers),
+        "push_decode": worker_config(ckpt, "decode", "push", parsers=parsers),
     })
     try:
         yield workers

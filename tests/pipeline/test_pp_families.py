@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from shared.model.make_model import ModelSpec, write_checkpoint
+from shared.model.make_model import VOCAB_SIZE, ModelSpec, write_checkpoint
 from shared.model.registry import resolve_model
 from shared.pipeline.engine import PipelineEngine
 from tests.support.engine import random_prompts, run_engine
+from tests.support.gpt_oss_ckpt import write_gpt_oss
 from tests.support.pipeline import (
     assert_quiescent,
     engine_config,
@@ -46,11 +47,21 @@ FAMILIES = {
 CHUNKED = {"max_num_batched_tokens": 24}
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+# gpt-oss (sinks, experts with biases, alternating windows, YaRN) is written by HF itself.
+GPT_OSS = "gpt_oss"
+
+
+def _checkpoint(name: str, out: Path, tokenizer_dir: Path) -> Path:
+    if name == GPT_OSS:
+        return write_gpt_oss(out, seed=3, vocab_size=VOCAB_SIZE, tokenizer_dir=tokenizer_dir)
+    return write_checkpoint(out, FAMILIES[name], tokenizer_dir)
+
+
+@pytest.fixture(scope="module", params=[*FAMILIES, GPT_OSS])
 def family_ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     tokenizer_dir = resolve_model("smollm2-135m-instruct", progress=False)
-    return write_checkpoint(tmp_path_factory.mktemp(f"pp-{request.param}"),
-                            FAMILIES[request.param], tokenizer_dir)
+    return _checkpoint(request.param, tmp_path_factory.mktemp(f"pp-{request.param}"),
+                       tokenizer_dir)
 
 
 @pytest.mark.timeout(60)

@@ -9,6 +9,7 @@ from typing import Any
 from services.cli import main as pdmesh
 from services.kv_transfer.config import KVTransferConfig
 from services.worker.config import KVLoadFailurePolicy, WorkerConfig
+from services.worker.parsers_config import ParsersConfig
 from shared.config import EngineConfig
 from shared.protocol.pd import Role
 from tests.support.worker import SubprocessWorker, WorkerThread
@@ -34,12 +35,14 @@ def engine_config(model: Path, **overrides: Any) -> EngineConfig:
 
 def worker_config(model: Path, role: str, mode: str = "pull", *, lease: float = 30.0,
                   policy: KVLoadFailurePolicy = KVLoadFailurePolicy.FAIL,
-                  secret: bytes | None = None, **engine: Any) -> WorkerConfig:
+                  secret: bytes | None = None, parsers: ParsersConfig | None = None,
+                  **engine: Any) -> WorkerConfig:
     kv = None if role == "mixed" else KVTransferConfig(
         role=role, mode=mode, port=0, lease_seconds=lease, push_deadline_seconds=5.0,
         secret=secret)
     return WorkerConfig(engine=engine_config(model, **engine), role=Role(role), kv=kv,
-                        served_model_names=(MODEL,), kv_load_failure_policy=policy)
+                        served_model_names=(MODEL,), kv_load_failure_policy=policy,
+                        parsers=parsers or ParsersConfig())
 
 
 @dataclass
