@@ -25,7 +25,10 @@ from kernels.dense.backend import (
     MAX_ROWS,
     Backend,
     KernelPath,
+    bucketed_linear,
+    padded_rows,
     reference_linear,
+    row_buckets,
 )
 from kernels.dense.build import RECIPE, BuildConfig
 from kernels.dense.layer import (
@@ -59,6 +62,9 @@ __all__ = [
     "kernel_path",
     "linear",
     "reference_linear",
+    "bucketed_linear",
+    "padded_rows",
+    "row_buckets",
 ]
 
 _dispatch: Dispatch[Backend, KernelPath] = Dispatch(
@@ -92,13 +98,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def accelerate_linears(model: nn.Module, backend: str | Backend | None = None) -> int:
     """Swap every bf16 CPU nn.Linear in model for a DenseLinear; returns how many were swapped.
 
-    Parameters are shared, not copied (tied embeddings stay tied). With backend=None and no
-    runnable C++ kernel, the model is left as it is (0): the swap would only add overhead.
+    Parameters are shared, not copied (tied embeddings stay tied). Without a runnable C++
+    kernel the swap still pays: prefill-sized products get their rows bucketed
+    (backend.padded_rows), so torch's bf16 GEMM caches a bounded set of shapes.
     """
-    path = kernel_path(backend)
-    if backend is None and path.backend is Backend.REFERENCE:
-        return 0
-    return swap_linears(model, path)
+    return swap_linears(model, kernel_path(backend))
 
 
 def decoder(backend: str | Backend | None = None) -> NativeDecoder | None:

@@ -63,6 +63,12 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return F.linear(x, w, b)
 
 
+def is_bf16_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether torch would run this product as a bf16 GEMM on the CPU (oneDNN)."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cpu
+            and not needs_grad(x, weight, bias))
+
+
 def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                    ) -> torch.Tensor:
     """x [T, K] bf16 @ weight.T in fp32, rounded to bf16 once: what torch's bf16 GEMM computes
@@ -70,6 +76,52 @@ def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     products (AMD Zen 3: SmolLM2's 200-token prompt 0.7 s against 4.3 s on one thread)."""
     b = None if bias is None else bias.float()
     return F.linear(x.float(), weight.float(), b).to(x.dtype)
+
+
+# Tiers whose prefill-sized bf16 products stay a bf16 GEMM (torch's, through oneDNN): the
+# oracle, and CPUs with bf16 dot products. The others widen to fp32 (prefill_linear).
+BF16_GEMM_TIERS = (Tier.REFERENCE, Tier.AVX512_BF16)
+
+
+def padded_rows(rows: int) -> int:
+    """The row count torch's bf16 GEMM is given for a `rows`-row product (rows > MAX_ROWS):
+    rounded up to one of eight steps per power of two, so at most 1/8 more rows.
+
+    Why: torch runs a bf16 GEMM through oneDNN, which builds and caches one primitive per
+    shape, with its own scratch buffers, up to 1024 of them. A worker that prefills prompts
+    of every length therefore grew by ~3 MB per new token count on SmolLM2's shapes (+750 MB
+    over 220 lengths; the soak's decode worker +10% after warm-up), and paid a primitive
+    build for most prompts. Eight buckets per octave bound the shapes to ~8 per doubling of
+    the batch (+120 MB over the same lengths) and run 3.6x faster on lengths never seen
+    (Intel Xeon with AMX and avx512_bf16, 2 threads; benchmarks/gemm_buckets.py). The
+    padding is zero rows, sliced off.
+    """
+    if rows <= MAX_ROWS:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every padded_rows value a product of MAX_ROWS < rows <= max_rows can take, ascending."""
+    buckets: list[int] = []
+    rows = MAX_ROWS + 1
+    while rows <= max_rows:
+        buckets.append(padded_rows(rows))
+        rows = buckets[-1] + 1
+    return buckets
+
+
+def bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """reference_linear on x [T, K] padded with zero rows to padded_rows(T); returns [T, N].
+    Each output row depends on its own input row only, so the padding changes no value but
+    the GEMM's blocking (as any change of T does)."""
+    rows = x.shape[0]
+    padded = padded_rows(rows)
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+    return reference_linear(x, weight, bias)[:rows]
 
 
 class KernelPath(NativePath[Backend]):
@@ -92,6 +144,9 @@ class KernelPath(NativePath[Backend]):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if x2.shape[0] > MAX_ROWS and self.widens_prefill(x2, weight, bias):
             return prefill_linear(x, weight, bias)
+        if x2.shape[0] > MAX_ROWS and is_bf16_gemm(x2, weight, bias):
+            y = bucketed_linear(x2, weight, bias)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
         if (self.library is None or x2.shape[0] > MAX_ROWS or x2.dtype not in X_DTYPES
                 or not x2.is_cpu or not self.takes_weight(weight, bias)
                 or needs_grad(x, weight, bias)):
@@ -103,8 +158,7 @@ class KernelPath(NativePath[Backend]):
                        bias: torch.Tensor | None) -> bool:
         """Whether a prefill-sized bf16 product runs in fp32 (prefill_linear) on this tier:
         every compiled tier without bf16 dot products, where torch's bf16 GEMM is slow."""
-        return (self.backend in (Backend.AVX2, Backend.AVX512) and x.dtype == torch.bfloat16
-                and weight.dtype == torch.bfloat16 and x.is_cpu and not needs_grad(x, weight, bias))
+        return self.backend.tier not in BF16_GEMM_TIERS and is_bf16_gemm(x, weight, bias)
 
     def takes_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether the C++ kernels take this weight and bias (else torch runs them)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from shared.config import EngineConfig
+from shared.engine.accelerate import accelerate
 from shared.engine.block_manager import KVCacheManager
 from shared.engine.grammar import GrammarCompiler
 from shared.engine.kv_stream import KVProgress, KVStreamTracker
@@ -99,8 +100,8 @@ class LLMEngine:
         apply_kernel_tier(config)  # before load_model: MXFP4 quantisation resolves kernels too
         model, model_config = load_model(model_dir, config.dtype,
                                          quantization=_quant_config(config))
-        _accelerate(model, config)
-        release_freed_heap()  # again: _accelerate repacks weights (load_model trimmed its own)
+        accelerate(model, config)
+        release_freed_heap()  # again: accelerate repacks weights (load_model trimmed its own)
         return cls.from_model(config, model, model_config, Tokenizer(model_dir),
                               model_dir=model_dir,
                               fingerprint=open_checkpoint(model_dir).fingerprint())
@@ -369,34 +370,3 @@ def _quant_config(config: EngineConfig) -> QuantConfig | None:
     quant = QuantConfig.parse(config.quantization, config.quant_encoder or DEFAULT_ENCODER)
     assert quant is not None and quant.method is QuantMethod(config.quantization)
     return replace(quant, quantize_lm_head=True if config.quantize_lm_head else None)
-
-
-def _accelerate(model: torch.nn.Module, config: EngineConfig) -> None:
-    """Swap bf16 nn.Linear layers for the native GEMV (kernels.dense) where it can build, and
-    route the model's forward through the native fused decoder layer / paged attention.
-
-    torch's batch-1 bf16 matmul reads weights at ~9 GiB/s here; the kernel streams them near
-    memory bandwidth. The swap keeps the same Parameters (tied lm_head stays tied). The fused
-    layer replaces ~20 torch ops per layer (norms, RoPE, gather + padded SDPA, SiLU, adds) by
-    one C++ call per decode step. Without a compiler everything stays on plain torch, with the
-    build's warning. fp32 models are untouched.
-    """
-    if config.dtype != "bfloat16":
-        return
-    from kernels.dense import BuildConfig, accelerate_linears, configure, decoder
-
-    # The build root follows the engine's cache dir; a prebuilt library (`pdmesh kernels build`,
-    # PDMESH_KERNELS_DIR: the container image) is taken as the MXFP4 library takes it.
-    configure(BuildConfig(build_root=config.resolved_cache_dir / "torch_extensions",
-                          prebuilt_dir=BuildConfig.from_env().prebuilt_dir))
-    swapped = accelerate_linears(model)
-    log.info("kernels.dense: %d bf16 linear layers use the fast GEMV path", swapped)
-    native = decoder()
-    use_native = getattr(model, "use_native", None)  # models without a native path lack it
-    if native is not None and callable(use_native):
-        fused = use_native(native)
-        if getattr(model, "native", None) is not None:
-            log.info("kernels.dense: native paged attention; %d fused decoder layers", fused)
-        else:  # QK-norm, MoE...: layouts the fused kernels do not take
-            log.info("kernels.dense: this model's layout has no native decode path; plain torch")
-

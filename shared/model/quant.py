@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import mxfp4
+from kernels.dense.backend import BF16_GEMM_TIERS, bucketed_linear
 from kernels.mxfp4.backend import FUSED_MAX_ROWS
 from kernels.mxfp4.build import FULL_NAMESPACE
-from kernels.tier import Tier
 
 BLOCK = 32  # elements per MXFP4 block: in_features must be a multiple
 PACKED_SUFFIXES = ("weight_blocks", "weight_scales")
@@ -142,9 +142,6 @@ def resolve_quantization(requested: QuantConfig | str | None, hf_config: Mapping
                    keep=keep)
 
 
-# Tiers whose prefill GEMM stays in bf16: the oracle, and CPUs with bf16 dot products.
-_BF16_GEMM_TIERS = (Tier.REFERENCE, Tier.AVX512_BF16)
-
 
 class DequantScratch:
     """One reusable buffer per dtype for prefill, shared by every MXFP4Linear of a model.
@@ -242,12 +239,14 @@ class MXFP4Linear(nn.Module):
         # torch's bf16 GEMM is slow without bf16 dot products (kernels/dense/backend.py's
         # prefill_linear): every compiled tier but avx512_bf16 multiplies in fp32 instead.
         gemm = x.dtype
-        if x.dtype == torch.bfloat16 and self.path.backend.tier not in _BF16_GEMM_TIERS:
+        if x.dtype == torch.bfloat16 and self.path.backend.tier not in BF16_GEMM_TIERS:
             gemm = torch.float32
         w = self.scratch.view(self.out_features, self.in_features, gemm)
         self.path.dequantize(self.weight_blocks, self.weight_scales, out=w)
-        y = F.linear(x.to(gemm), w, None if self.bias is None else self.bias.to(gemm))
-        return y.to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(gemm)
+        # bf16: rows padded to a bucket, so oneDNN caches a bounded set of GEMM shapes
+        linear = bucketed_linear if gemm == torch.bfloat16 else F.linear
+        return linear(x.to(gemm), w, bias).to(x.dtype)
 
     @torch.no_grad()
     def load(self, attr: str, src: torch.Tensor, lo: int, hi: int, name: str) -> None:

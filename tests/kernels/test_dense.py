@@ -153,7 +153,8 @@ def test_threads_split_rows_not_sums(dense_kernel: KernelPath, in_f: int, out_f:
 
 @pytest.mark.parametrize("backend", [*DENSE_TIERS, "reference"])
 def test_torch_runs_what_the_kernels_do_not_take(backend: str) -> None:
-    """Over MAX_ROWS rows (prefill), fp32 weights: exactly torch's F.linear; bf16 prefill on a
+    """Over MAX_ROWS rows (prefill), fp32 weights: exactly torch's F.linear (bf16: on rows
+    padded to their bucket); bf16 prefill on a
     tier without bf16 dot products: torch's fp32 F.linear rounded to bf16 once (prefill_linear,
     which torch's bf16 GEMM matches up to the order of its fp32 sums)."""
     if backend not in dense.available_backends():
@@ -166,8 +167,9 @@ def test_torch_runs_what_the_kernels_do_not_take(backend: str) -> None:
         assert torch.equal(got, want)
         bf16_gemm = torch.nn.functional.linear(x, w, b)  # one bf16 rounding apart at most
         assert torch.allclose(got.float(), bf16_gemm.float(), rtol=2 ** -7, atol=2 ** -7)
-    else:
-        assert torch.equal(got, torch.nn.functional.linear(x, w, b))
+    else:  # torch's bf16 GEMM, on the rows padded to their bucket (test_dense_buckets.py)
+        padded = torch.cat([x, x.new_zeros(dense.padded_rows(x.shape[0]) - x.shape[0], 100)])
+        assert torch.equal(got, torch.nn.functional.linear(padded, w, b)[:x.shape[0]])
     x32 = x[:4].float()
     assert torch.equal(dense.linear(x32, w.float(), None, backend),
                        torch.nn.functional.linear(x32, w.float()))

@@ -225,9 +225,11 @@ async def test_a_quantised_decode_is_refused_on_the_hash_naming_the_transform(me
     async with aiohttp.ClientSession() as s:
         pre = await metadata(s, mesh.prefill.url)
         dec = await metadata(s, variants["mxfp4_decode"].url)
-        assert pre["compat_factors"]["weight_transforms"] == {"lm_head": "dense",
+        assert pre["compat_factors"]["weight_transforms"] == {"encoder": "none",
+                                                              "lm_head": "dense",
                                                               "quantization": "none"}
         assert dec["compat_factors"]["weight_transforms"]["quantization"] == "mxfp4"
+        assert dec["compat_factors"]["weight_transforms"]["encoder"] in {"ocp", "mse"}
         assert pre["model"]["fingerprint"] == dec["model"]["fingerprint"]  # one checkpoint
         assert pre["compat_hash"] != dec["compat_hash"]
         # Dispatched anyway (as a router without groups would): the handshake refuses it.

@@ -29,6 +29,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
@@ -179,9 +180,25 @@ at::Tensor mxfp4_linear(const at::Tensor& x, const Proj& p, int64_t path) {
 // they widen x and w to fp32 and round the product to bf16 once, as the bf16 GEMM also does
 // (fp32 accumulation); the two differ only in the order of the fp32 sums. Same rule as
 // kernels/dense/backend.py's prefill_linear.
+//
+// The bf16 GEMM gets its rows padded (zero rows, sliced off) to padded_rows(T): oneDNN builds
+// and caches one primitive, with its own scratch, per shape, so a worker prefilling prompts of
+// every length grew by megabytes per new length. Same rule as kernels/dense/backend.py's
+// padded_rows, whose docstring has the figures.
+int64_t padded_rows(int64_t rows) {
+  if (rows <= kGemvMaxRows) return rows;
+  const int bit_length = 64 - __builtin_clzll(static_cast<uint64_t>(rows - 1));
+  const int64_t step = int64_t{1} << (bit_length - 4);  // eight steps per power of two
+  return (rows + step - 1) / step * step;
+}
+
 at::Tensor prefill_linear(const at::Tensor& x, const Proj& p, int64_t path) {
-  if (path == kPathAvx512Bf16 || x.scalar_type() != at::kBFloat16) {
-    return at::linear(x, p.w, p.bias);
+  if (x.scalar_type() != at::kBFloat16) return at::linear(x, p.w, p.bias);
+  if (path == kPathAvx512Bf16) {
+    const int64_t rows = x.size(0), padded = padded_rows(rows);
+    if (padded == rows) return at::linear(x, p.w, p.bias);
+    return at::linear(at::constant_pad_nd(x, {0, 0, 0, padded - rows}), p.w, p.bias)
+        .narrow(0, 0, rows);
   }
   std::optional<at::Tensor> bias;
   if (p.bias) bias = p.bias->to(at::kFloat);

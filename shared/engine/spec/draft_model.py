@@ -108,7 +108,7 @@ class DraftModelProposer:
 
 def build_draft_proposer(config: EngineConfig, tokenizer: Tokenizer) -> DraftModelProposer:
     """Load config.speculative_config's draft model (its own config) and check its tokenizer."""
-    from shared.engine.engine import _accelerate
+    from shared.engine.accelerate import accelerate
     from shared.model.loader import load_model
     from shared.model.quant import QuantConfig
     from shared.model.registry import resolve_model
@@ -120,7 +120,7 @@ def build_draft_proposer(config: EngineConfig, tokenizer: Tokenizer) -> DraftMod
     check_same_tokenizer(tokenizer, Tokenizer(draft_dir), spec)
     model, draft_config = load_model(draft_dir, config.dtype,
                                      quantization=QuantConfig.parse(spec.quantization))
-    _accelerate(model, config)
+    accelerate(model, config)
     geometry = KVGeometry.for_model(config, draft_config, draft_config.num_layers)
     runner = ModelRunner(model, geometry, config, draft_config.vocab_size)
     log.info("speculative draft model %s (%s): %d layers, rope %s, %d KV blocks", spec.model,
