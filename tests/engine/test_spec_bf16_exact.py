@@ -32,9 +32,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
 
 def engine(model: str, spec: dict[str, object] | None) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(  # type: ignore[arg-type]
+    e = LLMEngine.from_config(EngineConfig(  # type: ignore[arg-type]
         model=model, dtype="bfloat16", kv_cache_memory_bytes=64 << 20, num_threads=1,
         enable_prefix_caching=False, speculative_config=spec))
+    if e.runner.model.native is None:
+        # The plain-torch path (no C++ compiler, or PDMESH_KERNEL_TIER=reference) runs bf16
+        # rows through torch's GEMM, whose sums depend on the row count: there bf16 greedy
+        # speculation is as exact as bf16 batching is (README), and fp32 is exact
+        # (test_spec_decode.py runs it on every tier).
+        pytest.skip("bf16 exactness is a property of the native kernels; this is plain torch")
+    return e
 
 
 @pytest.fixture(scope="module")
