@@ -15,6 +15,7 @@ without waiting for them to be received. A step without sampling rows sends noth
 from __future__ import annotations
 
 import logging
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,13 @@ class StageWorker:
 def stage_main(spec: StageSpec, kv_cache: torch.Tensor, counters: torch.Tensor,
                status: Any, token_gate: Any = None, step_gate: Any = None) -> None:
     """Entry point of stage process `spec.rank` (spawned by StageGroup)."""
+    # Rank 0 owns a stage's lifetime: it drains the pipeline and sends SHUTDOWN, or kills the
+    # stage. A SIGINT / SIGTERM sent to the whole process group (Ctrl-C, `kill -- -pgid`,
+    # a container stop) must not end a stage first: rank 0 would then see a dead stage
+    # mid-drain and turn a clean stop into a pipeline failure (exit 1). An orphaned stage
+    # still ends: its channel to rank 0 times out (PipelineError, exit 1).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from kernels.tier import set_max_tier
     from shared.model.loader import load_model
 

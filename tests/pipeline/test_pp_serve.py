@@ -117,3 +117,25 @@ def test_pp_worker_exits_1_when_a_stage_dies(small_ckpt: Path) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_a_group_sigterm_stops_the_pp_worker_cleanly(small_ckpt: Path) -> None:
+    """A SIGTERM to the whole process group (Ctrl-C, `kill -- -pgid`, a container stop)
+    reaches the stages too. They leave their lifetime to rank 0, so the worker still drains
+    and exits 0; here a stage gets its SIGTERM first, the order that used to race."""
+    port = free_port()
+    proc = _start_pp_worker(small_ckpt, port)
+    try:
+        stages = _stage_processes(proc.pid)
+        assert stages, "the PP worker has no child processes"
+        for child in stages:
+            os.kill(child, signal.SIGTERM)
+        time.sleep(1.0)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+            assert resp.status == 200  # the stages took no notice
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=40) == 0, proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
