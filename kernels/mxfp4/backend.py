@@ -75,17 +75,18 @@ class KernelPath(NativePath[Backend]):
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """w float [..., K] -> (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32]).
 
-        The OCP encoder runs on this path; the MSE one (kernels/mxfp4/encoder.py) is plain
-        torch on every path (it is a load-time search, not a hot loop)."""
+        The OCP encoder runs on this path; the MSE one (kernels/mxfp4/encoder.py) runs as one
+        portable C++ loop on every compiled path (the same bytes), and in torch on the
+        reference."""
         check_weight(w)
-        if encoder is Encoder.MSE:
-            return quantize_mse(w)
         if self.library is None:
-            return reference.quantize(w)
+            return quantize_mse(w) if encoder is Encoder.MSE else reference.quantize(w)
         _cpu_only(w)
-        blocks, scales = self.library.ops.quantize(
-            w.to(torch.float32).contiguous(), self.backend.path_id
-        )
+        w32 = w.to(torch.float32).contiguous()
+        if encoder is Encoder.MSE:
+            blocks, scales = self.library.ops.quantize_mse(w32)
+        else:
+            blocks, scales = self.library.ops.quantize(w32, self.backend.path_id)
         return blocks, scales
 
     def dequantize(

@@ -4,7 +4,7 @@ the paged KV cache. A Qwen3-MoE layer swaps its MLP for shared.model.moe's Spars
 Hot-path shape conventions: T = number of new tokens in the batch (all sequences packed,
 sequence-major), H / KVH = query / kv heads, D = head_dim. q, k and v come out of one fused
 Linear and gate/up out of another, so a decode step is a handful of matmuls per layer.
-Parameters are created uninitialised (on the meta device, then `to_empty`) and filled by
+Parameters are created uninitialised (on the meta device, then `materialise`) and filled by
 `load_weights`, which takes HF tensor names and fuses them on the fly.
 """
 
@@ -30,6 +30,7 @@ from kernels.dense.layer import (
 from kernels.mxfp4.backend import FUSED_MAX_ROWS
 from shared.model.attention import AttentionMetadata, paged_attention
 from shared.model.config import ModelConfig
+from shared.model.materialise import materialise
 from shared.model.moe import SparseMoeBlock, hf_expert_params
 from shared.model.quant import (
     PACKED_SUFFIXES,
@@ -263,7 +264,9 @@ class LlamaForCausalLM(nn.Module):
         self.start, self.end = start, end
         self.is_first, self.is_last = start == 0, end == config.num_layers
         with torch.device("meta"):
-            self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+            # _weight skips nn.Embedding's normal_ init, which on meta imports torch._dynamo
+            shape = (config.vocab_size, config.hidden_size)
+            self.embed_tokens = (nn.Embedding(*shape, _weight=torch.empty(shape, dtype=dtype))
                                  if self.is_first else None)
             self.layers = nn.ModuleList(self.make_layer(config, dtype, i) for i in range(start, end))
             self.norm = self.make_norm(config, dtype) if self.is_last else None
@@ -271,7 +274,7 @@ class LlamaForCausalLM(nn.Module):
                             if self.is_last else None)
         if quantization is not None:
             quantize_linears(self, quantization)
-        self.to_empty(device="cpu")
+        materialise(self)  # not to_empty: see shared/model/materialise.py
         if (type(self.lm_head) is nn.Linear and self.embed_tokens is not None
                 and config.tie_word_embeddings):
             self.lm_head.weight = self.embed_tokens.weight

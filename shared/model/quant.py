@@ -279,7 +279,7 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, lm_head_name: str = "
     """Replace every nn.Linear of model by an (unloaded) MXFP4Linear; returns the count.
 
     The LM head (`lm_head_name`) is replaced only when quant.lm_head. Call it while the model
-    is still on the meta device (before `to_empty`), so no dense weight is ever allocated.
+    is still on the meta device (before `materialise`), so no dense weight is ever allocated.
     """
     path = mxfp4.kernel_path(quant.backend)  # resolved (and built) outside any meta context
     scratch = DequantScratch(quant.scratch_bytes)
@@ -291,7 +291,7 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, lm_head_name: str = "
                 continue
             if full != lm_head_name and quant.keeps(full):
                 continue
-            with child.weight.device:  # meta stays meta: to_empty allocates it later
+            with child.weight.device:  # meta stays meta: materialise allocates it later
                 setattr(parent, child_name,
                         MXFP4Linear.like(child, path, scratch, quant.encoder))
             count += 1

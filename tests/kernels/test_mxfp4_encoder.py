@@ -97,7 +97,7 @@ def test_special_blocks_and_shapes() -> None:
 
 def test_compiled_paths_decode_mse_bytes_exactly(cpp_path: KernelPath) -> None:
     w = _heavy_tailed((33, 256), seed=9)
-    blocks, scales = cpp_path.quantize(w, Encoder.MSE)  # every path: the torch search
+    blocks, scales = cpp_path.quantize(w, Encoder.MSE)
     assert torch.equal(scales, quantize_mse(w)[1])
     for dtype in (torch.float32, torch.bfloat16):
         assert_same_bits(cpp_path.dequantize(blocks, scales, dtype),
@@ -109,3 +109,56 @@ def test_compiled_paths_decode_mse_bytes_exactly(cpp_path: KernelPath) -> None:
 
 def test_config_choices_are_the_encoders() -> None:
     assert QUANT_ENCODER_CHOICES == tuple(e.value for e in Encoder)
+
+
+def _special_weights() -> torch.Tensor:
+    """Blocks that probe every branch: zeros of both signs, non-finite values, fp32 subnormals,
+    values at the top of fp32's range, exact E2M1 midpoints (ties) at several exponents,
+    amax in (6, 8) * 2^e, one outlier over tiny values, and bf16-rounded heavy tails."""
+    mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    rows = [
+        [0.0] * 32, [-0.0] * 32,
+        [math.nan] + [1.0] * 31, [1.0] * 31 + [-math.inf],
+        [1e-45 * (i + 1) for i in range(32)],  # subnormal fp32: the smallest exponent
+        [3.0e38 * (1 - i / 64) for i in range(32)],  # near fp32's max: the largest exponents
+        [m * 2.0 ** e for e in (-3, 0, 4) for m in mids] + [8.0] * 11,
+        [-(m + 4.0) for m in mids] + [7.9] * 25,
+        [4.0] + [0.25] * 31, [-7.5 + i * 15 / 31 for i in range(32)],
+    ]
+    w = torch.tensor(rows, dtype=torch.float32).flatten()
+    return torch.cat([w, _heavy_tailed((8, 256), seed=11).bfloat16().float().flatten()])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_compiled_mse_encoder_equals_the_torch_search(cpp_path: KernelPath, seed: int) -> None:
+    """The C++ MSE encoder (every compiled path) against the torch one, byte for byte."""
+    torch.manual_seed(seed)
+    w = torch.cat([_special_weights(), _heavy_tailed((64, 576), seed=seed).flatten(),
+                   random_weights((64, 256), seed=seed, spread=30).flatten(),
+                   torch.randn(64 * 256)]).reshape(-1, 64)
+    got_blocks, got_scales = cpp_path.quantize(w, Encoder.MSE)
+    want_blocks, want_scales = quantize_mse(w)
+    assert torch.equal(got_scales, want_scales)
+    assert torch.equal(got_blocks, want_blocks)
+
+
+def _codes_by_midpoints(a: torch.Tensor) -> torch.Tensor:
+    """The E2M1 code by definition: the number of midpoints between grid values below a; a
+    value on a midpoint goes to the even code (down after an even code, up after an odd one)."""
+    codes = torch.zeros(a.shape, dtype=torch.int64)
+    for j, (lo, hi) in enumerate(zip(OCP_E2M1, OCP_E2M1[1:], strict=False)):
+        mid = (lo + hi) / 2
+        codes += (a > mid) if j % 2 == 0 else (a >= mid)
+    return codes
+
+
+def test_e2m1_codes_equal_the_midpoint_definition() -> None:
+    mids = [(lo + hi) / 2 for lo, hi in zip(OCP_E2M1, OCP_E2M1[1:], strict=False)]
+    near = [math.nextafter(m, d) for m in mids for d in (0.0, 9.0)]
+    a = torch.cat([
+        torch.tensor([*mids, *near, *OCP_E2M1, 0.0, 5e-324, 1e-300, 7.0, 8.0, 100.0, 1e300,
+                      math.inf], dtype=torch.float64),
+        torch.arange(0, 9, 1 / 1024, dtype=torch.float64),
+        torch.rand(100_000, dtype=torch.float64) * 8,
+    ])
+    assert torch.equal(reference.e2m1_codes(a), _codes_by_midpoints(a))

@@ -112,6 +112,10 @@ struct KernelTable {
 
 const KernelTable& scalar_table();
 
+// The MSE encoder (kernels/mxfp4/encoder.py's quantize_mse, bit for bit), portable code for
+// every path: nblocks blocks of 32 fp32 values -> packed codes and scale bytes.
+void quantize_mse_blocks(const float* w, int64_t nblocks, uint8_t* blocks, uint8_t* scales);
+
 #ifndef PDMESH_MXFP4_SCALAR_ONLY
 // The AVX2 table (path 2), or nullptr when the CPU lacks avx2/fma/f16c.
 const KernelTable* avx2_table();

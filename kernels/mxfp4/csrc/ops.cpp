@@ -3,6 +3,7 @@
 // Ops live in the namespace PDMESH_MXFP4_NS (one per build variant) and share one schema:
 //   features() -> int
 //   quantize(Tensor w, int path) -> (Tensor, Tensor)
+//   quantize_mse(Tensor w) -> (Tensor, Tensor)          (the MSE encoder, same on every path)
 //   dequantize(Tensor blocks, Tensor scales, ScalarType dtype, int path) -> Tensor
 //   dequantize_into(Tensor blocks, Tensor scales, Tensor(a!) out, int path) -> ()
 //   linear(Tensor x, Tensor blocks, Tensor scales, Tensor? bias, int path) -> Tensor
@@ -69,12 +70,13 @@ void check_packed(const at::Tensor& blocks, const at::Tensor& scales) {
   TORCH_CHECK(blocks.numel() == scales.numel() * kBlockBytes, "mxfp4: blocks/scales mismatch");
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& w, int64_t path) {
+using BlockEncoder = void (*)(const float* w, int64_t nblocks, uint8_t* blocks, uint8_t* scales);
+
+std::tuple<at::Tensor, at::Tensor> encode_blocks(const at::Tensor& w, BlockEncoder encode) {
   TORCH_CHECK(w.device().is_cpu(), "mxfp4: CPU tensors only");
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() >= 1,
               "mxfp4: quantize takes a contiguous float32 tensor");
   TORCH_CHECK(w.size(-1) % kBlock == 0, "mxfp4: last dim must be a multiple of 32");
-  const KernelTable& t = table_for(path);
   std::vector<int64_t> shape(w.sizes().begin(), w.sizes().end() - 1);
   shape.push_back(w.size(-1) / kBlock);
   at::Tensor scales = at::empty(shape, w.options().dtype(at::kByte));
@@ -84,9 +86,18 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& w, int64_t path) {
   uint8_t* bp = blocks.data_ptr<uint8_t>();
   uint8_t* sp = scales.data_ptr<uint8_t>();
   at::parallel_for(0, scales.numel(), 1024, [&](int64_t b0, int64_t b1) {
-    t.quantize(src + b0 * kBlock, b1 - b0, bp + b0 * kBlockBytes, sp + b0);
+    encode(src + b0 * kBlock, b1 - b0, bp + b0 * kBlockBytes, sp + b0);
   });
   return {blocks, scales};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& w, int64_t path) {
+  return encode_blocks(w, table_for(path).quantize);
+}
+
+// The MSE encoder is portable code (a load-time search, not a hot loop): one for every path.
+std::tuple<at::Tensor, at::Tensor> quantize_mse(const at::Tensor& w) {
+  return encode_blocks(w, quantize_mse_blocks);
 }
 
 // Writes into out (fp32 or bf16, contiguous, blocks' shape with the last two dims merged).
@@ -229,6 +240,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tenso
 PDMESH_MXFP4_LIBRARY(PDMESH_MXFP4_NS, m) {
   m.def("features() -> int", &pdmesh_mxfp4::features);
   m.def("quantize(Tensor w, int path) -> (Tensor, Tensor)", &pdmesh_mxfp4::quantize);
+  m.def("quantize_mse(Tensor w) -> (Tensor, Tensor)", &pdmesh_mxfp4::quantize_mse);
   m.def("dequantize(Tensor blocks, Tensor scales, ScalarType dtype, int path) -> Tensor",
         &pdmesh_mxfp4::dequantize);
   m.def("dequantize_into(Tensor blocks, Tensor scales, Tensor(a!) out, int path) -> ()",

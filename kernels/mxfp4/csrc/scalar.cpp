@@ -2,6 +2,7 @@
 // must match bit for bit (quantize, dequantize). Compiled with the default target flags only, so
 // this TU runs on any x86-64 (or other) CPU.
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "kernels.h"
@@ -135,5 +136,96 @@ const KernelTable kScalarTable = {
 }  // namespace
 
 const KernelTable& scalar_table() { return kScalarTable; }
+
+// ---- The MSE encoder (kernels/mxfp4/encoder.py), bit for bit -------------------------------
+// Per block: the OCP exponent and its neighbours kMseOffsets are tried in that order, and the
+// first of least squared error wins. Everything is float64, as in the Python encoder: |v| / 2^e
+// and each E2M1 value times 2^e are exact there, each difference is exact, and the squares are
+// summed in element order 0..31, the order encoder.block_sq_error fixes, so both sides round
+// every partial sum the same way and pick the same exponent even on near ties. Separate
+// statements for the square and the add: no compiler may fuse them into an FMA (clang fuses
+// only within one expression; GCC has no FMA to use in this TU's baseline x86-64 target).
+namespace {
+
+constexpr int kMseOffsets[3] = {0, 1, -1};
+constexpr double kE2M1Magnitudes[8] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0};
+
+// E2M1 magnitude code of a >= 0 (not NaN) in float64, round to nearest even, saturating: below
+// 1, rint(2a) (0, 0.5, 1); from 1 up, E2M1 is a float with one mantissa bit and the code is
+// 2 + 2 * exponent + mantissa, read off the float64 bits rounded to one mantissa bit (ties to
+// even). No branch on the value: reference.e2m1_codes computes it the same way.
+inline uint32_t e2m1_code_f64(double a) {
+  uint64_t bits;
+  std::memcpy(&bits, &a, sizeof bits);
+  const int64_t rounded =
+      static_cast<int64_t>((bits + ((uint64_t{1} << 50) - 1) + ((bits >> 51) & 1)) >> 51);
+  const int64_t high = std::min<int64_t>(rounded - (2 * 1023 - 2), 7);
+  // rint(2a) for a < 1 by the 2^52 trick (no libm call on baseline x86-64); min keeps it bounded.
+  const double twice = std::min(a, 1.0) * 2.0;
+  const int64_t low = static_cast<int64_t>((twice + 0x1p52) - 0x1p52);
+  return static_cast<uint32_t>(a < 1.0 ? low : high);
+}
+
+// floor(log2(amax)) - 2 clamped to [-127, 127] (amax finite, > 0), else -127: ocp_exponent.
+inline int ocp_exponent_f64(double amax) {
+  if (!(amax > 0.0)) return -127;
+  int exp = 0;
+  std::frexp(amax, &exp);  // amax = m * 2^exp, m in [0.5, 1)
+  return std::clamp(exp - 1 - 2, -127, 127);
+}
+
+double block_sq_error(const double* mag, int e) {
+  const double scale = std::ldexp(1.0, e), inv = std::ldexp(1.0, -e);
+  double err = 0.0;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const double d = kE2M1Magnitudes[e2m1_code_f64(mag[i] * inv)] * scale - mag[i];
+    const double sq = d * d;
+    err = err + sq;
+  }
+  return err;
+}
+
+}  // namespace
+
+void quantize_mse_blocks(const float* w, int64_t nblocks, uint8_t* blocks, uint8_t* scales) {
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const float* src = w + b * kBlock;
+    uint8_t* dst = blocks + b * kBlockBytes;
+    double mag[kBlock];
+    double amax = 0.0;
+    bool finite = true;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      mag[i] = std::fabs(static_cast<double>(src[i]));
+      finite = finite && std::isfinite(mag[i]);
+      amax = mag[i] > amax ? mag[i] : amax;
+    }
+    if (!finite) {  // as the OCP path: NaN scale, codes zero
+      scales[b] = static_cast<uint8_t>(kNanScale);
+      std::memset(dst, 0, kBlockBytes);
+      continue;
+    }
+    const int ocp = ocp_exponent_f64(amax);
+    int best = ocp;
+    double best_err = 0.0;
+    for (int j = 0; j < 3; ++j) {
+      const int e = std::clamp(ocp + kMseOffsets[j], -127, 127);
+      const double err = block_sq_error(mag, e);
+      if (j == 0 || err < best_err) {
+        best = e;
+        best_err = err;
+      }
+    }
+    scales[b] = static_cast<uint8_t>(best + 127);
+    const double inv = std::ldexp(1.0, -best);
+    for (int64_t i = 0; i < kBlockBytes; ++i) {
+      uint32_t nib[2];
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t sign = (f32_to_bits(src[2 * i + h]) >> 28) & 8u;
+        nib[h] = e2m1_code_f64(mag[2 * i + h] * inv) | sign;
+      }
+      dst[i] = static_cast<uint8_t>(nib[0] | (nib[1] << 4));
+    }
+  }
+}
 
 }  // namespace pdmesh_mxfp4
