@@ -61,6 +61,40 @@ tasks for the day, and explain that nothing is finished all at once, but almost 
 finished in the end, if somebody is patient enough to keep crossing things off.
 """
 
+# A second fixed, self-written text (~500 tokens) in another domain (technical instructions),
+# so an encoder is not judged, or tuned, on one story.
+TECH_TEXT = """\
+Backing up a small office network is mostly a matter of deciding what must survive and how \
+quickly it must come back. Start by listing the data: shared documents, the accounting \
+database, email archives, and the configuration of the router and printers. For each item, \
+write down how much data there is, how often it changes, and how long the office could work \
+without it. These three numbers decide the schedule far better than any product brochure.
+
+A common rule is to keep three copies of important data, on two different kinds of storage, \
+with one copy off site. In practice, the first copy is the live data on the file server. The \
+second is a nightly snapshot to an external disk or a network storage box in the same \
+building. The third is an encrypted upload to a remote service, or a disk that somebody takes \
+home every Friday. Each copy protects against a different failure: a deleted file, a dead \
+disk, or a fire.
+
+Databases need special care. Copying the files of a running database can produce a backup \
+that looks complete but cannot be opened, because the files were changing while they were \
+read. Use the database's own export or dump command, or stop the service for a minute while \
+the snapshot is taken. Schedule this step before the general file backup, so that the dump \
+file is included in the nightly copy.
+
+Encryption keys and passwords deserve the same attention as the data. An encrypted backup is \
+useless if the only copy of its key was on the server that failed. Print the recovery key, \
+seal it in an envelope, and store it with the off-site disk, or give it to two trusted people.
+
+Finally, test the restore, not just the backup. Once a month, pick a random folder and restore \
+it to a spare machine; once a year, rebuild the whole server from the backups alone, with a \
+stopwatch running. Write down every step that was missing from the instructions and every \
+password somebody had to look up. The result of that exercise is the real recovery plan, and \
+the time it took is the honest answer to the question of how long the office can be down.
+"""
+TEXTS = {"story": TEXT, "technical": TECH_TEXT}
+
 VARIANTS = ("dense", "mxfp4", "mxfp4+lm_head")
 
 
