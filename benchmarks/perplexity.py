@@ -1,12 +1,13 @@
-"""Perplexity of one fixed English text: dense weights vs MXFP4 (with and without the LM head).
+"""Perplexity of fixed English texts: dense weights vs MXFP4 (with and without the LM head).
 
     .venv/bin/python benchmarks/perplexity.py [--model NAME_OR_DIR] [--dtype bfloat16 float32]
                                               [--threads 2] [--encoder ocp mse]
-                                              [--no-lm-head]
+                                              [--text story technical] [--no-lm-head]
 
-Every variant loads the same checkpoint through shared.model.loader and runs the whole text
-(~500 tokens) as one prefill over the paged KV cache; perplexity = exp(mean NLL of each
-next token). Variants:
+Every variant loads the same checkpoint through shared.model.loader and runs each text (a
+story, TEXT, ~520 tokens; technical instructions, TECH_TEXT, ~440) as one prefill over the
+paged KV cache; perplexity = exp(mean NLL of each next token). GPTQ checkpoints (which need
+calibration) are measured by benchmarks/gptq_mxfp4.py on the same texts. Variants:
   dense            the checkpoint's weights in --dtype
   mxfp4            decoder linears in MXFP4, LM head dense
   mxfp4+lm_head    decoder linears and the (tied) LM head in MXFP4
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                    default=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--encoder", nargs="+", choices=("ocp", "mse"), default=["ocp", "mse"])
+    p.add_argument("--text", nargs="+", choices=tuple(TEXTS), default=list(TEXTS))
     p.add_argument("--no-lm-head", action="store_true", help="skip the mxfp4+lm_head variant")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -140,22 +142,26 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
-    ids = Tokenizer(model_dir).encode(TEXT)
-    print(f"{args.model}: {len(ids)} tokens of fixed text, {args.threads} threads")
-    print(f"{'dtype':<10}{'variant':<24}{'perplexity':>12}{'vs dense':>10}{'seconds':>9}")
+    tokenizer = Tokenizer(model_dir)
+    texts = {name: tokenizer.encode(TEXTS[name]) for name in args.text}
+    sizes = ", ".join(f"{name} {len(ids)}" for name, ids in texts.items())
+    print(f"{args.model}: tokens of fixed text: {sizes}; {args.threads} threads")
+    print(f"{'dtype':<10}{'variant':<24}{'text':<11}{'perplexity':>12}{'vs dense':>10}"
+          f"{'seconds':>9}")
     variants = [v for v in VARIANTS if not (args.no_lm_head and v.endswith("head"))]
     runs = [("dense", "")] + [(v, e) for e in args.encoder for v in variants if v != "dense"]
     for dtype in args.dtype:
-        base = None
+        base: dict[str, float] = {}
         for variant, encoder in runs:
             model = load(model_dir, dtype, variant, encoder or "ocp")
-            start = time.perf_counter()
-            ppl = perplexity(model, ids)
-            elapsed = time.perf_counter() - start
-            base = base or ppl
             label = f"{variant} ({encoder})" if encoder else variant
-            print(f"{dtype:<10}{label:<24}{ppl:>12.3f}{(ppl / base - 1) * 100:>+9.2f}%"
-                  f"{elapsed:>9.2f}")
+            for name, ids in texts.items():
+                start = time.perf_counter()
+                ppl = perplexity(model, ids)
+                elapsed = time.perf_counter() - start
+                base.setdefault(name, ppl)
+                print(f"{dtype:<10}{label:<24}{name:<11}{ppl:>12.3f}"
+                      f"{(ppl / base[name] - 1) * 100:>+9.2f}%{elapsed:>9.2f}")
             del model
     return 0
 

@@ -31,6 +31,14 @@ GENERIC_PROMPTS = (
     "How do I prepare for a job interview?",
     "Describe the water cycle to a ten-year-old.",
     "Give me a recipe for a simple vegetable soup.",
+    "What is the difference between a virus and a bacterium?",
+    "Write a polite email asking a landlord to repair a broken heater.",
+    "Explain what a database index is and when to use one.",
+    "Tell me about the history of the bicycle.",
+    "How does compound interest work? Give an example with numbers.",
+    "Write a poem about the sea at night.",
+    "What should I pack for a week-long camping trip?",
+    "Explain the rules of chess to a beginner.",
 )
 
 
@@ -51,10 +59,12 @@ def file_sequences(path: Path, tokenizer: Tokenizer,
 
 
 def generated_sequences(model_dir: Path, seed: int = 0, tokens: int = GENERATED_TOKENS,
-                        prompts: tuple[str, ...] = GENERIC_PROMPTS) -> list[list[int]]:
-    """[chat-templated prompt + the dense bf16 model's sampled reply] per prompt: prompt i is
-    sampled with seed + i (temperature 0.8, top_p 0.95), so the text is reproducible."""
-    llm = LLM(model=str(model_dir), dtype="bfloat16", seed=seed)
+                        prompts: tuple[str, ...] = GENERIC_PROMPTS, dtype: str = "bfloat16",
+                        kv_cache_bytes: int = 64 << 20) -> list[list[int]]:
+    """[chat-templated prompt + the dense model's sampled reply] per prompt: prompt i is
+    sampled with seed + i (temperature 0.8, top_p 0.95), so the text is reproducible. bf16 by
+    default, the dtype the model is served in."""
+    llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, kv_cache_memory_bytes=kv_cache_bytes)
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=tokens, seed=seed + i)
               for i in range(len(prompts))]
     outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)

@@ -62,14 +62,16 @@ def test_output_error_below_mse_encoder() -> None:
     assert gptq < 0.75 * mse
 
 
-def test_diagonal_hessian_is_the_mse_encoder() -> None:
-    """With H diagonal, U is too: no error reaches another column, every group's exponent is
-    picked from the original weights, so the bytes are quantize_mse's."""
+def test_scaled_identity_hessian_is_the_mse_encoder() -> None:
+    """With H = c I, U is diagonal: no error reaches another column, and every column weighs
+    the same in the exponent choice, so the bytes are quantize_mse's. (A non-uniform diagonal
+    H weighs the columns of a group unequally: not MSE's choice then.)"""
     torch.manual_seed(2)
     w = torch.randn(40, 96) * torch.logspace(-3, 1, 96)
-    h = torch.diag(torch.rand(96, dtype=torch.float64) + 0.1)
-    for got, want in zip(quantize_gptq(w, h), quantize_mse(w), strict=True):
-        assert torch.equal(got, want)
+    for c in (1.0, 3.7):
+        h = c * torch.eye(96, dtype=torch.float64)
+        for got, want in zip(quantize_gptq(w, h), quantize_mse(w), strict=True):
+            assert torch.equal(got, want)
 
 
 def test_bytes_are_ordinary_mxfp4() -> None:
@@ -172,3 +174,17 @@ def test_bad_gptq_input_exits_2(tiny_untied, tmp_path, capsys, flags, message) -
 def test_on_the_fly_gptq_is_refused() -> None:
     with pytest.raises(ValueError, match="pdmesh quantize"):
         EngineConfig(quantization="mxfp4", quant_encoder="gptq")
+
+
+def test_generated_calibration(tiny_untied) -> None:
+    """The default calibration: each generic chat prompt, templated, plus the model's own
+    sampled reply (seeded: SamplingParams' seed makes it reproducible)."""
+    from shared.engine.calibration import generated_sequences
+
+    prompts = ("Explain tides.", "Write a haiku.")
+    first = generated_sequences(tiny_untied, tokens=8, prompts=prompts, dtype="float32",
+                                kv_cache_bytes=4 << 20)
+    tokenizer = Tokenizer(tiny_untied)
+    template = tokenizer.apply_chat_template([{"role": "user", "content": prompts[0]}])
+    prompt = tokenizer.encode(template, add_special_tokens=False)
+    assert len(first) == 2 and first[0][:len(prompt)] == prompt and len(first[0]) > len(prompt)
