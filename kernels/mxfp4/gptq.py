@@ -136,10 +136,15 @@ def quantize_gptq(w: torch.Tensor, h: torch.Tensor, damp: float = DEFAULT_DAMP,
     wt = w.detach().to(torch.float32).to(torch.float64).T.contiguous()
     if not bool(torch.isfinite(wt).all()):
         raise ValueError("GPTQ needs a finite weight")
+    # Columns are rounded in their stored order. GPTQ's act-order (largest diag(H) first),
+    # confined to each 32-column group since a group shares its exponent, cut the output
+    # error of random correlated layers by 4-5% but not SmolLM2-135M's perplexity (story /
+    # technical, generated calibration, damp 0.1: 36.53 / 44.32 with it, 37.04 / 42.38 without).
     with _one_thread():
         u, dead = inverse_cholesky(h, damp)
         wt[dead] = 0
-        return _quantize(wt, u)
+        qt, shared = _quantize(wt, u)
+    return reference.encode(qt.T.unflatten(-1, (-1, BLOCK_SIZE)), shared)
 
 
 @contextmanager
@@ -157,8 +162,8 @@ def _one_thread() -> Iterator[None]:
 
 
 def _quantize(wt: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """wt float64 [in, out] (W^T, dead columns zeroed; consumed), u [in, in] from
-    inverse_cholesky -> (blocks, scales) as quantize_gptq returns them."""
+    """wt float64 [in, out] (W^T in rounding order, dead columns zeroed; consumed), u [in, in]
+    from inverse_cholesky -> (Q^T float64 [in, out], shared exponents int64 [out, in/32])."""
     cols, rows = wt.shape
     qt = torch.empty_like(wt)
     shared = torch.empty(rows, cols // BLOCK_SIZE, dtype=torch.int64)
@@ -167,4 +172,4 @@ def _quantize(wt: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         qt[lo:hi], err = _quantize_block(wt[lo:hi].clone(), u[lo:hi, lo:hi], shared,
                                          lo // BLOCK_SIZE)
         wt[hi:] -= u[lo:hi, hi:].T @ err  # the block's errors onto every later column at once
-    return reference.encode(qt.T.unflatten(-1, (-1, BLOCK_SIZE)), shared)
+    return qt, shared

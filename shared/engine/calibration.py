@@ -21,7 +21,7 @@ from shared.model.tokenizer import Tokenizer
 
 CHUNK_TOKENS = 512  # tokens per sequence cut from a calibration file
 DEFAULT_MAX_TOKENS = 2048  # calibration tokens used from a file
-GENERATED_TOKENS = 192  # new tokens per generated reply (8 prompts: ~1.5k + prompts)
+GENERATED_TOKENS = 256  # new tokens per reply at most (16 prompts: ~4k tokens in all)
 GENERIC_PROMPTS = (
     "Explain how a refrigerator keeps food cold.",
     "Write a short story about two friends who get lost on a hike.",
