@@ -8,7 +8,7 @@ error ||X W^T - X Q^T||^2 rather than the weight error ||W - Q||^2 is (greedily)
 For MXFP4 each 32-column group shares an exponent per row. It is chosen when the group
 starts, from the error-updated weights of the group: encoder.py's search over the OCP
 exponent and its neighbours, with each column's squared error weighted by GPTQ's cost of it,
-1 / [H^-1]_jj (on random correlated inputs this gives ~3-4% lower output error than the plain
+1 / U_jj^2 (on random correlated inputs this gives ~3-4% lower output error than the plain
 MSE choice); then the group's columns are rounded one at a time to nearest-even E2M1 at that
 scale, as the reference rounds. The output is ordinary MXFP4 bytes, decoded by
 reference.dequantize bit for bit; only which codes get stored changes. With H = c * I no error
@@ -84,8 +84,9 @@ def _group_exponent(v: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """v float64 [out, 32] (a group's error-updated columns), weight float64 [32] -> int64
     [out]: per row, the exponent among encoder.MSE_OFFSETS around OCP's whose rounding has the
     least weighted squared error sum_j weight_j (q_j - v_j)^2 (OCP on ties). GPTQ's cost of
-    column j's error, once the later columns compensate it, is error^2 / [H^-1]_jj = error^2 /
-    U_jj^2 (Frantar et al. eq. 3); equal weights give mse_exponent."""
+    column j's error, once the later columns compensate it, is error^2 / [H_F^-1]_jj, F the
+    columns not yet rounded (Frantar et al. eq. 3), and [H_F^-1]_jj = U_jj^2: the caller
+    passes 1 / U_jj^2. Equal weights give mse_exponent."""
     ocp = reference.ocp_exponent(v)
     errors = []
     for d in MSE_OFFSETS:
@@ -95,7 +96,6 @@ def _group_exponent(v: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         errors.append(((q - v).square() * weight).sum(-1))
     best = torch.stack(errors).argmin(0)  # first minimum: OCP on ties
     return (ocp + torch.tensor(MSE_OFFSETS)[best]).clamp(-SCALE_BIAS, SCALE_BIAS)
-
 
 
 def _quantize_block(wt: torch.Tensor, u: torch.Tensor, shared: torch.Tensor,
