@@ -22,6 +22,10 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 # kernels.mxfp4.Encoder's values (tests/quant/test_quant_encoder.py keeps them equal); this
 # module stays free of torch.
 QUANT_ENCODER_CHOICES = ("ocp", "mse")
+# `pdmesh quantize --method`: the encoders, plus GPTQ (shared/model/gptq.py), which needs
+# calibration text and so only writes pre-quantised checkpoints.
+GPTQ_METHOD = "gptq"
+QUANTIZE_METHOD_CHOICES = (*QUANT_ENCODER_CHOICES, GPTQ_METHOD)
 
 
 def default_cache_dir() -> Path:
@@ -165,6 +169,10 @@ class EngineConfig:
             raise ValueError(f"quantization must be mxfp4 or unset, got {self.quantization!r}")
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head needs quantization (mxfp4)")
+        if self.quant_encoder == GPTQ_METHOD:
+            raise ValueError("quant_encoder gptq needs calibration text, so it cannot run while "
+                             "loading: write a GPTQ checkpoint with `pdmesh quantize IN OUT "
+                             "--method gptq` and serve that directory (no --quantization)")
         if self.quant_encoder not in (None, *QUANT_ENCODER_CHOICES):
             raise ValueError(f"quant_encoder must be one of {', '.join(QUANT_ENCODER_CHOICES)}, "
                              f"got {self.quant_encoder!r}")

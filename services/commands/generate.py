@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from kernels.tier import TIER_CHOICES
-from shared.config import DEFAULT_MODEL, DTYPE_CHOICES, QUANT_ENCODER_CHOICES
+from shared.config import DEFAULT_MODEL, DTYPE_CHOICES, QUANTIZE_METHOD_CHOICES
 
 HELP = "Generate text for one prompt (--prompt) or one chat message (--chat) offline."
 
@@ -30,8 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: bfloat16 where a native kernel tier runs, else float32")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--quantization", choices=("mxfp4",), default=None)
-    parser.add_argument("--quant-encoder", choices=QUANT_ENCODER_CHOICES, default=None,
-                        help="with --quantization: ocp or mse block exponents (default mse)")
+    parser.add_argument("--quant-encoder", choices=QUANTIZE_METHOD_CHOICES, default=None,
+                        help="with --quantization: ocp or mse block exponents (default mse; "
+                             "gptq only through `pdmesh quantize --method gptq`)")
     parser.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
                         help="highest native kernel tier (default: $PDMESH_KERNEL_TIER, else auto)")
     parser.add_argument("--stats", action="store_true", help="print token counts and speed")

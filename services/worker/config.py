@@ -27,7 +27,7 @@ from shared.config import (
     DEFAULT_MODEL,
     DTYPE_CHOICES,
     KERNEL_TIER_ENV,
-    QUANT_ENCODER_CHOICES,
+    QUANTIZE_METHOD_CHOICES,
     EngineConfig,
     auto_dtype,
     hf_hub_cache_from_env,
@@ -287,9 +287,10 @@ def _add_engine_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> N
     eng.add_argument("--quantize-lm-head", action="store_true",
                      help="with --quantization: the (tied) LM head too (faster decode, higher "
                           "perplexity; see kernels/README.md)")
-    eng.add_argument("--quant-encoder", default=None, choices=QUANT_ENCODER_CHOICES,
+    eng.add_argument("--quant-encoder", default=None, choices=QUANTIZE_METHOD_CHOICES,
                      help="with --quantization: how block exponents are picked (ocp: the OCP "
-                          "rule; mse: least squared error per block; default mse)")
+                          "rule; mse: least squared error per block; default mse); gptq is "
+                          "refused here: it needs calibration (`pdmesh quantize --method gptq`)")
     eng.add_argument("--seed", type=int, default=d.seed)
     eng.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
                      help=f"highest native kernel tier to use (default: ${KERNEL_TIER_ENV}, "

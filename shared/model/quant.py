@@ -43,6 +43,8 @@ DEFAULT_QUANTIZE_LM_HEAD = False
 # How block exponents are picked when quantising (kernels/mxfp4/encoder.py). MSE by default,
 # from benchmarks/perplexity.py on SmolLM2-135M (bf16, LM head dense, 2026-12-05): dense 26.86,
 # OCP exponents 43.95, MSE exponents 43.44 (its weight error is 6% lower: a small gain, free).
+# GPTQ (`pdmesh quantize --method gptq`, shared/model/gptq.py) does better but needs calibration
+# text and minutes, so it is no on-the-fly encoder: EngineConfig refuses quant_encoder="gptq".
 DEFAULT_ENCODER = mxfp4.Encoder.MSE
 # Largest dequantised weight (bytes) kept in the shared prefill scratch; bigger weights (a
 # 49152-row LM head) run the fused kernel over 32-row slices instead of being dequantised.

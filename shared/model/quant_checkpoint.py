@@ -6,8 +6,10 @@ everything else (embeddings, norms, biases) is copied unchanged, in its stored d
 quantize_lm_head the head is packed too: an untied `lm_head.weight` is replaced, and with
 tied embeddings `lm_head.weight_*` is added beside the dense embedding. Quantisation uses
 the stored tensor itself (not a dtype-converted copy), exactly as on-the-fly loading does,
-so both give bit-identical packed weights (with the same encoder). Tensors are streamed one at a time and written in
-shards of at most max_shard_bytes.
+so both give bit-identical packed weights (with the same encoder). A `packer` replaces the
+encoder (GPTQ: shared.model.gptq.GptqEncoder.pack, bytes computed beforehand from the whole
+model); the format is the same. Tensors are streamed one at a time and written in shards of at
+most max_shard_bytes.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +35,8 @@ _LINEAR = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\
 _EMBED = re.compile(r"(^|\.)embed_tokens\.weight$")
 _WEIGHT_FILES = re.compile(r".*\.safetensors$")
 DEFAULT_SHARD_BYTES = 2 << 30
+# (HF weight name, stored tensor [out, in]) -> (blocks uint8 [out, in/32, 16], scales [out, in/32])
+Packer = Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -59,50 +63,60 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _pack(name: str, tensor: torch.Tensor, quant: QuantConfig,
-          tally: _Tally) -> Iterator[tuple[str, torch.Tensor]]:
+def _pack(name: str, tensor: torch.Tensor, quant: QuantConfig, tally: _Tally,
+          packer: Packer | None) -> Iterator[tuple[str, torch.Tensor]]:
     """`name` [out, in] -> (`name`_blocks, blocks), (`name`_scales, scales)."""
     if tensor.dim() != 2 or tensor.shape[-1] % 32:
         raise ValueError(f"cannot quantise {name!r} {tuple(tensor.shape)}: MXFP4 needs a 2-D "
                          "weight with in_features a multiple of 32")
-    packed = mxfp4.quantize(tensor, backend=quant.backend, encoder=quant.encoder)
+    packed = (packer(name, tensor) if packer is not None
+              else mxfp4.quantize(tensor, backend=quant.backend, encoder=quant.encoder))
     tally.quantized += 1
     tally.dense_bytes += _nbytes(tensor)
     tally.packed_bytes += sum(_nbytes(t) for t in packed)
     yield from zip(packed_names(name), packed, strict=True)
 
 
-def _converted(model_dir: Path, quant: QuantConfig, tied: bool,
-               tally: _Tally) -> Iterator[tuple[str, torch.Tensor]]:
+def _converted(model_dir: Path, quant: QuantConfig, tied: bool, tally: _Tally,
+               packer: Packer | None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of the output checkpoint, one source tensor at a time."""
     for name, tensor in iter_weights(open_checkpoint(model_dir).weight_files):
         head = name.endswith("lm_head.weight")
         if tied and head:
             continue  # HF ignores a stored head when tied; a packed one is derived below
         if _LINEAR.search(name) or (head and quant.lm_head):
-            yield from _pack(name, tensor, quant, tally)
+            yield from _pack(name, tensor, quant, tally, packer)
             continue
         tally.copied += 1
         yield name, tensor
         if tied and quant.lm_head and _EMBED.search(name):
-            yield from _pack("lm_head.weight", tensor, quant, tally)
+            yield from _pack("lm_head.weight", tensor, quant, tally, packer)
+
+
+def check_paths(in_dir: Path, out_dir: Path) -> None:
+    """Raise unless in_dir is a dense checkpoint we load and out_dir is absent or empty
+    (callers with a long preparation, such as GPTQ calibration, check first)."""
+    raw_config = read_json(Path(in_dir) / "config.json")
+    if raw_config.get("quantization_config") is not None:
+        raise ValueError(f"{in_dir} is already quantised ({raw_config['quantization_config']})")
+    if Path(out_dir).exists() and any(Path(out_dir).iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty")
+    open_checkpoint(Path(in_dir))  # validates the architecture before any work
 
 
 def write_quantized_checkpoint(in_dir: Path, out_dir: Path, quant: QuantConfig,
                                max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                               ) -> QuantizeReport:
-    """Write in_dir's checkpoint, MXFP4-quantised, to out_dir (which must not hold files)."""
+                               packer: Packer | None = None) -> QuantizeReport:
+    """Write in_dir's checkpoint, MXFP4-quantised, to out_dir (which must not hold files);
+    packer, when given, packs every quantised weight instead of quant.encoder."""
     in_dir, out_dir = Path(in_dir), Path(out_dir)
+    check_paths(in_dir, out_dir)
     raw_config = read_json(in_dir / "config.json")
-    if raw_config.get("quantization_config") is not None:
-        raise ValueError(f"{in_dir} is already quantised ({raw_config['quantization_config']})")
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} exists and is not empty")
-    config = open_checkpoint(in_dir).config  # validates the architecture before any work
+    config = open_checkpoint(in_dir).config
     out_dir.mkdir(parents=True, exist_ok=True)
     tally = _Tally()
     writer = _ShardWriter(out_dir, max_shard_bytes)
-    for name, tensor in _converted(in_dir, quant, config.tie_word_embeddings, tally):
+    for name, tensor in _converted(in_dir, quant, config.tie_word_embeddings, tally, packer):
         writer.add(name, tensor)
     files = writer.close()
     raw_config["quantization_config"] = quant.to_hf()

@@ -112,6 +112,20 @@ class HFWeightLoading(nn.Module):
                 add("model.embed_tokens.weight", "lm_head.weight", None)
         return out
 
+    def linear_rows(self) -> dict[str, tuple[str, int, int]]:
+        """HF weight name -> (our nn.Linear module, its rows lo..hi that weight fills), for
+        every dense linear weight this stage loads (q/k/v are row ranges of qkv_proj)."""
+        out: dict[str, tuple[str, int, int]] = {}
+        for hf_name, targets in self._weight_map.items():
+            param, part = targets[0]
+            module_name, _, attr = param.rpartition(".")
+            module = self.get_submodule(module_name)
+            if attr != "weight" or type(module) is not nn.Linear:
+                continue
+            lo, hi = (0, module.out_features) if part is None else self._slice_bounds(param, part)
+            out[hf_name] = (module_name, lo, hi)
+        return out
+
     @functools.cached_property
     def _layer_params(self) -> dict[str, tuple[str, int | None]]:
         return self.layer_params()

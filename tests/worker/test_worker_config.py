@@ -49,6 +49,9 @@ def test_quantization_flags() -> None:
     assert e.quant_encoder == "ocp"
     with pytest.raises(SystemExit):
         parse(["--quantization", "mxfp4", "--quant-encoder", "best"])
+    # GPTQ needs calibration text: refused at load, naming the command that writes it
+    with pytest.raises(ValueError, match="pdmesh quantize IN OUT --method gptq"):
+        parse(["--quantization", "mxfp4", "--quant-encoder", "gptq"])
 
 
 def test_defaults() -> None:

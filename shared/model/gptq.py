@@ -1,0 +1,207 @@
+"""GPTQ calibration of a whole model: per-layer input Hessians, then kernels.mxfp4.gptq.
+
+`GptqEncoder(model_dir, sequences, config)` loads the dense checkpoint in fp32, runs the
+calibration token sequences through it once, and then quantises the decoder layer by layer:
+
+  for layer i: H = mean x^T x of each nn.Linear's input [in, in] (qkv_proj, o_proj,
+  gate_up_proj, down_proj), collected by running layer i alone on its stored inputs; each
+  weight is GPTQ-rounded under its H; the layer's outputs become layer i+1's inputs.
+
+With `sequential` (the default) layer i's weights are replaced by their quantised values
+before its outputs are recomputed, so layer i+1 is calibrated on the inputs it will see when
+served quantised (GPTQ's own order); without it every H comes from the dense model (one
+dense pass). The LM head, when quantised, is calibrated on the final norm's outputs.
+
+The encoder then serves packed bytes by HF tensor name (`pack`), cutting a fused module's
+rows (q/k/v of qkv_proj, gate/up of gate_up_proj) back out: GPTQ is row-independent given H,
+so q, k and v packed separately under their shared input's H are the fused rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernels.mxfp4 import reference
+from kernels.mxfp4.gptq import DEFAULT_DAMP, quantize_gptq
+from shared.model.attention import AttentionMetadata
+from shared.model.llama import LlamaForCausalLM
+from shared.model.loader import load_model
+
+Packed = tuple[torch.Tensor, torch.Tensor]  # (blocks uint8 [out, in/32, 16], scales [out, in/32])
+# One layer call's arguments past the hidden state (cos, sin, kv_layer, meta...) and kwargs.
+_LayerArgs = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class GptqConfig:
+    """How `pdmesh quantize --method gptq` calibrates: damp is the fraction of mean(diag(H))
+    added to H's diagonal; sequential calibrates layer i on layer < i already quantised;
+    lm_head quantises (and calibrates) the LM head too."""
+
+    damp: float = DEFAULT_DAMP
+    # Layer-sequential by default: it measured better. SmolLM2-135M bf16 perplexity, story /
+    # technical text (benchmarks/gptq_mxfp4.py, dense 26.88 / 32.72, MSE 43.23 / 50.25), damp
+    # 0.1: generated calibration (4041 tokens) sequential 36.32 / 42.46, dense pass
+    # 37.04 / 42.38; README.md calibration (2048 tokens) sequential 42.34 / 45.01, dense
+    # pass 43.36 / 47.71 (earlier exponent rule); damp 0.03, generated: 36.93 / 42.78 vs
+    # 36.40 / 43.25.
+    sequential: bool = True
+    lm_head: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.damp > 0:
+            raise ValueError(f"damp must be > 0 (a fraction of mean(diag(H))), got {self.damp}")
+
+
+class _Hessians:
+    """Forward hooks summing x^T x (float64 [in, in]) of each watched module's input rows."""
+
+    def __init__(self, modules: dict[str, nn.Module]) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.rows: dict[str, int] = {}
+        self._handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
+
+    def _hook(self, name: str) -> Any:
+        def hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...], _out: Any) -> None:
+            x = inputs[0].reshape(-1, inputs[0].shape[-1]).to(torch.float64)  # [T, in]
+            self.add(name, x)
+        return hook
+
+    def add(self, name: str, x: torch.Tensor) -> None:
+        """x [T, in] of module `name`'s inputs."""
+        total = self.sums.get(name)
+        self.sums[name] = x.T @ x if total is None else total.addmm_(x.T, x)
+        self.rows[name] = self.rows.get(name, 0) + x.shape[0]
+
+    def mean(self, name: str) -> torch.Tensor:
+        if name not in self.sums:
+            raise ValueError(f"no calibration input reached {name}")
+        return self.sums[name] / self.rows[name]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+class _StopForward(Exception):
+    """Raised by a hook to end a forward pass once what it needs is recorded."""
+
+
+def _layer_inputs(model: LlamaForCausalLM, ids: list[int],
+                  ) -> tuple[torch.Tensor, list[_LayerArgs]]:
+    """One prefill of ids (a fresh sequence) -> (layer 0's hidden input [T, hidden], each
+    layer's other arguments: RoPE tables, its KV-cache slice, the attention metadata)."""
+    c, n, block = model.config, len(ids), 16
+    blocks = -(-n // block)
+    kv = torch.zeros(c.num_layers, 2, blocks, block, c.num_kv_heads, c.head_dim,
+                     dtype=model.dtype)
+    meta = AttentionMetadata.build([0], [n], [list(range(blocks))], block)
+    first: list[torch.Tensor] = []
+    rest: list[_LayerArgs] = []
+
+    def record(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        first.append(args[0])
+        rest.append((args[1:], kwargs))
+        if len(rest) == len(model.layers):
+            raise _StopForward  # the final norm is not needed
+
+    handles = [layer.register_forward_pre_hook(record, with_kwargs=True)
+               for layer in model.layers]
+    try:
+        model(torch.tensor(ids), torch.arange(n), meta, kv)
+    except _StopForward:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return first[0], rest
+
+
+def _linears(module: nn.Module) -> dict[str, nn.Linear]:
+    return {n: m for n, m in module.named_modules() if type(m) is nn.Linear}
+
+
+@torch.inference_mode()
+def calibrate(model: LlamaForCausalLM, sequences: Sequence[list[int]],
+              config: GptqConfig) -> dict[str, Packed]:
+    """model (dense, fp32; its decoder linears are overwritten with their quantised values
+    when config.sequential) -> module name ("layers.3.mlp.down_proj", "lm_head") -> packed
+    GPTQ weight, for every decoder nn.Linear and, with config.lm_head, the LM head."""
+    if model.config.moe is not None:
+        raise ValueError("gptq calibrates dense decoder linears only; routed experts (MoE) "
+                         "have no per-expert Hessian here: use --method mse")
+    if not sequences or not any(sequences):
+        raise ValueError("gptq needs at least one calibration token")
+    inputs = [_layer_inputs(model, list(ids)) for ids in sequences if ids]
+    hidden = [h for h, _ in inputs]  # [T, hidden] per sequence
+    args = [a for _, a in inputs]  # [sequence][layer] -> that call's other arguments
+
+    def run(i: int, layer: nn.Module) -> list[torch.Tensor]:
+        return [layer(h, *a[i][0], **a[i][1]) for h, a in zip(hidden, args, strict=True)]
+
+    packed: dict[str, Packed] = {}
+    for i, layer in enumerate(model.layers):
+        linears = _linears(layer)
+        hessians = _Hessians(dict(linears))
+        try:
+            out = run(i, layer)
+        finally:
+            hessians.close()
+        for name, linear in linears.items():
+            packed[f"layers.{i}.{name}"] = quantize_gptq(linear.weight, hessians.mean(name),
+                                                        config.damp)
+            if config.sequential:
+                blocks, scales = packed[f"layers.{i}.{name}"]
+                linear.weight.copy_(reference.dequantize(blocks, scales, linear.weight.dtype))
+        if config.sequential:  # layer i+1's inputs, as the quantised model computes them
+            out = run(i, layer)
+        hidden = out
+    if config.lm_head:
+        if model.norm is None or model.lm_head is None:
+            raise ValueError("the LM head needs the last pipeline stage")
+        head = _Hessians({})
+        for h in hidden:
+            head.add("lm_head", model.norm(h).to(torch.float64))
+        packed["lm_head"] = quantize_gptq(model.lm_head.weight, head.mean("lm_head"), config.damp)
+    return packed
+
+
+class GptqEncoder:
+    """GPTQ-packed MXFP4 weights of one checkpoint, served by HF tensor name.
+
+    Built from a dense checkpoint directory and calibration token sequences (each a separate
+    sequence from position 0); holds the fp32 model while calibrating and the packed bytes
+    (~0.53 bytes per weight) after.
+    """
+
+    def __init__(self, model_dir: Path, sequences: Sequence[list[int]],
+                 config: GptqConfig) -> None:
+        model, _ = load_model(model_dir, "float32")
+        self.config = config
+        self._rows = model.linear_rows()  # HF name -> (module, lo, hi)
+        self._packed = calibrate(model, sequences, config)
+
+    @property
+    def modules(self) -> dict[str, Packed]:
+        """Our module name ("layers.0.self_attn.qkv_proj", "lm_head") -> its packed weight."""
+        return dict(self._packed)
+
+    def pack(self, hf_name: str, tensor: torch.Tensor) -> Packed:
+        """The packed rows of HF weight hf_name [out, in] (tensor is the stored one; only its
+        shape is checked: the bytes were computed from the same checkpoint)."""
+        where = (("lm_head", 0, tensor.shape[0]) if hf_name == "lm_head.weight"
+                 else self._rows.get(hf_name))
+        if where is None or where[0] not in self._packed:
+            raise ValueError(f"gptq has no calibrated weight for {hf_name!r}")
+        module, lo, hi = where
+        blocks, scales = self._packed[module]
+        if (hi - lo, scales.shape[1] * 32) != tuple(tensor.shape):
+            raise ValueError(f"{hf_name!r} is {tuple(tensor.shape)}, calibrated rows "
+                             f"{lo}..{hi} of {module} {tuple(blocks.shape)}")
+        return blocks[lo:hi].clone(), scales[lo:hi].clone()
