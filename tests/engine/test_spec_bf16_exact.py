@@ -90,8 +90,10 @@ def test_mxfp4_self_draft_equals_speculation_off(tokenizer_dir, prompts, off):
     spec = {"method": "draft_model", "model": str(tokenizer_dir), "quantization": "mxfp4",
             "num_speculative_tokens": 4, "min_acceptance_rate": 0.0}
     e = engine(str(tokenizer_dir), spec)
-    on = [run_engine(e, [p], [GREEDY])[0].token_ids for p in prompts]
-    assert on == off
+    # The first two asks (a code edit, a verbatim copy): both accept and reject drafts, and
+    # each draft step is a whole runner step of the MXFP4 model, so more asks only add time.
+    on = [run_engine(e, [p], [GREEDY])[0].token_ids for p in prompts[:2]]
+    assert on == off[:2]
     s = e.stats()
     assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens
     assert_all_blocks_free(e)
