@@ -131,9 +131,7 @@ def random_draft(model: str) -> str:
     return str(out)
 
 
-def main() -> None:
-    # The repository's packages first: benchmarks/kernels.py would shadow the kernels package.
-    sys.path.insert(0, str(ROOT))
+def parse_args() -> argparse.Namespace:
     from shared.config import DEFAULT_MODEL
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -154,7 +152,13 @@ def main() -> None:
     ap.add_argument("--never", action="store_true",
                     help="draft with a tiny random model (nothing accepted): the off switch's cost")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    # The repository's packages first: benchmarks/kernels.py would shadow the kernels package.
+    sys.path.insert(0, str(ROOT))
+    args = parse_args()
     if args.never:
         args.draft_model = random_draft(args.model)
     spec: dict[str, Any] = {"num_speculative_tokens": args.k,

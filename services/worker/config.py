@@ -161,33 +161,7 @@ class WorkerConfig:
         if not keys:
             keys = tuple(k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip())
         pipeline = pipeline_config.from_args(args)
-        kernel_tier = (args.kernel_tier if args.kernel_tier is not None
-                       else kernel_tier_from_env(environ))
-        # auto: the faster dtype on this CPU; pipeline stages run no native kernels (fp32).
-        dtype = (auto_dtype(kernel_tier, native_decode=not pipeline.enabled)
-                 if args.dtype == "auto" else args.dtype)
-        engine = EngineConfig(
-            model=args.model,
-            revision=args.revision,
-            hf_hub_cache=hf_hub_cache_from_env(environ),
-            dtype=dtype,
-            max_model_len=args.max_model_len,
-            block_size=args.block_size,
-            kv_cache_memory_bytes=parse_size(args.kv_cache_memory),
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=not args.no_prefix_caching,
-            enable_chunked_prefill=not args.no_chunked_prefill,
-            num_threads=args.threads,
-            quantization=args.quantization,
-            quantize_lm_head=args.quantize_lm_head,
-            quant_encoder=args.quant_encoder,
-            seed=args.seed,
-            kernel_tier=kernel_tier,
-            speculative_config=SpeculativeConfig.parse(  # typed here; EngineConfig re-parses
-                getattr(args, "speculative_config", None)
-                or environ.get(SPECULATIVE_CONFIG_ENV) or None),
-        )
+        engine = _engine_config(args, environ, pipeline.enabled)
         role = Role(args.role)
         tls_files = tls.from_args(args)
         kv = (None if role is Role.MIXED
@@ -213,6 +187,38 @@ class WorkerConfig:
             parsers=ParsersConfig.from_args(args, environ),
             tls=tls_files,
         )
+
+
+def _engine_config(args: argparse.Namespace, environ: Mapping[str, str],
+                   pipelined: bool) -> EngineConfig:
+    """The EngineConfig part of WorkerConfig.from_args (see there for the environment)."""
+    kernel_tier = (args.kernel_tier if args.kernel_tier is not None
+                   else kernel_tier_from_env(environ))
+    # auto: the faster dtype on this CPU; pipeline stages run no native kernels (fp32).
+    dtype = (auto_dtype(kernel_tier, native_decode=not pipelined)
+             if args.dtype == "auto" else args.dtype)
+    return EngineConfig(
+        model=args.model,
+        revision=args.revision,
+        hf_hub_cache=hf_hub_cache_from_env(environ),
+        dtype=dtype,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=parse_size(args.kv_cache_memory),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        num_threads=args.threads,
+        quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
+        quant_encoder=args.quant_encoder,
+        seed=args.seed,
+        kernel_tier=kernel_tier,
+        speculative_config=SpeculativeConfig.parse(  # typed here; EngineConfig re-parses
+            getattr(args, "speculative_config", None)
+            or environ.get(SPECULATIVE_CONFIG_ENV) or None),
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
