@@ -80,6 +80,23 @@ class Service:
         except TimeoutError as exc:
             raise AssertionError(f"{self.name} never became healthy:\n{self.log_tail()}") from exc
 
+    async def first_start(self, session: aiohttp.ClientSession, timeout: float,
+                          tries: int = 3) -> None:
+        """Start and wait until healthy, on a fresh port when the one picked was taken in the
+        meantime: workers started together bind `--kv-port 0`, and the OS may hand one of
+        them a port picked (free then) for another's HTTP server."""
+        for attempt in range(tries):
+            if attempt:
+                self.port = free_port()
+            self.start()
+            try:
+                await self.wait_healthy(session, timeout)
+                return
+            except AssertionError:
+                if self.alive() or "address already in use" not in self.log_tail():
+                    raise
+        raise AssertionError(f"{self.name}: no free port in {tries} tries:\n{self.log_tail()}")
+
     def _signal(self, sig: signal.Signals) -> None:
         if self.alive():
             assert self.proc is not None
@@ -148,12 +165,9 @@ class Fleet:
         return list(vars(self).values())
 
     def start(self, timeout: float) -> Fleet:
-        for service in self.services:
-            service.start()
-
         async def ready() -> None:
             async with aiohttp.ClientSession() as session:
-                await asyncio.gather(*(s.wait_healthy(session, timeout) for s in self.services))
+                await asyncio.gather(*(s.first_start(session, timeout) for s in self.services))
 
         asyncio.run(ready())
         return self
