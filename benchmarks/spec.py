@@ -149,6 +149,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--draft-quantization", default=None, choices=["mxfp4"],
                     help="with --draft-model: quantise the draft (--draft-model = --model: the "
                          "quantised self-draft)")
+    ap.add_argument("--draft-vocab-size", type=int, default=None,
+                    help="with --draft-model: the draft's LM head scores ids below this only")
+    ap.add_argument("--draft-quantize-lm-head", action="store_true",
+                    help="with --draft-quantization: quantise the draft's LM head too")
     ap.add_argument("--never", action="store_true",
                     help="draft with a tiny random model (nothing accepted): the off switch's cost")
     ap.add_argument("--json", default=None)
@@ -165,7 +169,8 @@ def main() -> None:
                             "disable_by_batch_size": args.disable_by_batch_size}
     if args.draft_model:
         spec.update(method="draft_model", model=args.draft_model,
-                    quantization=args.draft_quantization)
+                    quantization=args.draft_quantization, draft_vocab_size=args.draft_vocab_size,
+                    quantize_lm_head=args.draft_quantize_lm_head)
     else:
         spec.update(method="ngram", prompt_lookup_min=args.lookup_min,
                     prompt_lookup_max=args.lookup_max)

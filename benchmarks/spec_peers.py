@@ -99,7 +99,8 @@ def server_spec(name: str, args: argparse.Namespace, hf_dir: Path) -> ps.ServerS
         spec = ps.pdmesh_spec(name, SERVE_CMD + " --no-prefix-caching", port, args.threads)
         cfg = {"pdmesh-ngram": NGRAM, "pdmesh-mxfp4-draft": {
             "method": "draft_model", "model": DEFAULT_MODEL, "quantization": "mxfp4",
-            "num_speculative_tokens": 3}}.get(name)
+            "quantize_lm_head": True, "draft_vocab_size": 8192,
+            "num_speculative_tokens": 2}}.get(name)
         extra: tuple[str, ...] = ("--speculative-config", json.dumps(cfg)) if cfg else ()
         return dataclasses.replace(spec, argv=spec.argv + extra)
     if name.startswith("vllm"):

@@ -37,7 +37,13 @@ class SpeculativeConfig:
     workload that never accepts costs little more than speculation off (0 disables that).
     model / quantization (draft_model only): the draft checkpoint (a name or directory, as the
     engine's model) and an optional run-time quantisation of it ("mxfp4"; with model = the
-    target's own checkpoint this is the quantised self-draft).
+    target's own checkpoint this is the quantised self-draft). draft_vocab_size (draft_model
+    only, a pdmesh key): the draft's LM head scores token ids below it only (FR-Spec's idea,
+    without its token map: BPE vocabularies number tokens by merge order, so the low ids are
+    the frequent ones). The head is the largest single read of a small draft's step; ids above
+    the cut are never drafted, and verification by the full target keeps the output lossless.
+    quantize_lm_head (draft_model with quantization "mxfp4" only, a pdmesh key): quantise the
+    draft's LM head too (the engine's --quantize-lm-head for the draft); left dense otherwise.
     """
 
     method: SpeculativeMethod = SpeculativeMethod.NGRAM
@@ -49,6 +55,8 @@ class SpeculativeConfig:
     acceptance_window: int = 16
     model: str | None = None
     quantization: str | None = None
+    draft_vocab_size: int | None = None
+    quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -80,12 +88,22 @@ class SpeculativeConfig:
         if drafting and not (isinstance(self.model, str) and self.model.strip()):
             raise ValueError("speculative_config.model is required for method draft_model "
                              "(the draft checkpoint)")
-        if not drafting and (self.model is not None or self.quantization is not None):
-            raise ValueError("speculative_config.model and .quantization apply to method "
-                             f"draft_model only, not {self.method.value}")
+        if not drafting and (self.model, self.quantization, self.draft_vocab_size) != (None,) * 3:
+            raise ValueError("speculative_config.model, .quantization and .draft_vocab_size "
+                             f"apply to method draft_model only, not {self.method.value}")
+        size = self.draft_vocab_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ValueError(f"speculative_config.draft_vocab_size must be an integer >= 1, "
+                             f"got {size!r}")
         if self.quantization not in (None, "mxfp4"):
             raise ValueError(f"speculative_config.quantization must be \"mxfp4\" or absent, "
                              f"got {self.quantization!r}")
+        if not isinstance(self.quantize_lm_head, bool):
+            raise ValueError(f"speculative_config.quantize_lm_head must be true or false, "
+                             f"got {self.quantize_lm_head!r}")
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("speculative_config.quantize_lm_head needs quantization \"mxfp4\" "
+                             "(it quantises the draft's LM head with the rest of the draft)")
 
     @classmethod
     def parse(cls, value: str | Mapping[str, Any] | SpeculativeConfig | None

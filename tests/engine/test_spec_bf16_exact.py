@@ -84,16 +84,25 @@ def test_batch_equals_speculation_off(tokenizer_dir, prompts):
     assert e.stats().spec_num_accepted_tokens > 0
 
 
-def test_mxfp4_self_draft_equals_speculation_off(tokenizer_dir, prompts, off):
+# The first two asks (a code edit, a verbatim copy): both accept and reject drafts, and each
+# draft step is a whole runner step of the MXFP4 model, so more asks only add time. With the
+# draft's LM head quantised too and cut to the 16384 commonest ids (draft_vocab_size), the
+# code edit alone.
+@pytest.mark.parametrize(("cut", "asks"), [(None, 2), (16384, 1)])
+def test_mxfp4_self_draft_equals_speculation_off(tokenizer_dir, prompts, off, cut, asks):
     """The quantised self-draft: the MXFP4 copy of the model proposes, the bf16 model
     verifies; the tokens are the bf16 model's own."""
+    from shared.model.quant import MXFP4Linear
+
     spec = {"method": "draft_model", "model": str(tokenizer_dir), "quantization": "mxfp4",
             "num_speculative_tokens": 4, "min_acceptance_rate": 0.0}
+    if cut is not None:
+        spec.update(draft_vocab_size=cut, quantize_lm_head=True)
     e = engine(str(tokenizer_dir), spec)
-    # The first two asks (a code edit, a verbatim copy): both accept and reject drafts, and
-    # each draft step is a whole runner step of the MXFP4 model, so more asks only add time.
-    on = [run_engine(e, [p], [GREEDY])[0].token_ids for p in prompts[:2]]
-    assert on == off[:2]
+    head = e.scheduler.drafter.proposer.runner.model.lm_head
+    assert isinstance(head, MXFP4Linear) == (cut is not None)
+    on = [run_engine(e, [p], [GREEDY])[0].token_ids for p in prompts[:asks]]
+    assert on == off[:asks]
     s = e.stats()
     assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens
     assert_all_blocks_free(e)

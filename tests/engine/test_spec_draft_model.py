@@ -1,8 +1,10 @@
 """The draft-model proposer: lossless against speculation off, the draft's own config (RoPE)
-honoured, its KV rolled back after rejections, a foreign tokenizer refused.
+honoured, its KV rolled back after rejections, a foreign tokenizer refused, its LM head cut to
+draft_vocab_size ids.
 
-References: the same engine with speculation off, and an engine running the draft checkpoint
-alone (what the draft must propose: its own greedy continuation).
+References: the same engine with speculation off, an engine running the draft checkpoint
+alone (what the draft must propose: its own greedy continuation), and HF transformers' logits
+of the draft checkpoint (what a draft cut to N ids must propose: the argmax over ids < N).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from shared.config import EngineConfig
 from shared.engine.engine import LLMEngine
@@ -97,3 +101,52 @@ def test_a_draft_with_another_tokenizer_is_refused(small_ckpt, tmp_path):
         LLMEngine.from_config(EngineConfig(  # type: ignore[arg-type]
             model=str(small_ckpt), kv_cache_memory_bytes=8 << 20,
             speculative_config=draft_spec(foreign)))
+
+
+def hf_greedy_below(path: Path, prompt: list[int], n: int, vocab: int) -> list[int]:
+    """HF transformers' greedy continuation of prompt, each token the argmax over ids < vocab."""
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1, :vocab].argmax()))
+    return ids[len(prompt):]
+
+
+def test_a_cut_draft_head_proposes_the_argmax_over_its_ids(small_ckpt):
+    """draft_vocab_size N: the draft proposes HF's argmax over ids < N, which (a random model
+    scores all 49152 ids alike) differs from its argmax over the whole vocabulary."""
+    cut = 2000
+    config = EngineConfig(model=str(small_ckpt), kv_cache_memory_bytes=8 << 20,
+                          speculative_config=draft_spec(  # type: ignore[arg-type]
+                              small_ckpt, k=5, draft_vocab_size=cut))
+    target = LLMEngine.from_config(EngineConfig(model=str(small_ckpt),
+                                                kv_cache_memory_bytes=8 << 20))
+    proposer = build_draft_proposer(config, target.tokenizer)
+    assert proposer.runner.vocab_size == cut
+    for prompt in repeating_prompts(3):
+        want = hf_greedy_below(small_ckpt, prompt, 5, cut)
+        assert proposer.propose(Request("r", prompt, GREEDY), 5) == want
+        assert max(want) < cut
+        assert want != hf_greedy_below(small_ckpt, prompt, 5, 49152)
+        proposer.release("r")
+
+
+def test_a_cut_draft_head_stays_lossless(make_engine, small_ckpt):
+    """The self-draft cut to half the vocabulary: the target's greedy tokens (about half of
+    them >= the cut, which the draft can never propose) come out exactly as without it."""
+    prompts = repeating_prompts(4)
+    want = greedy(make_engine(), prompts)
+    engine = make_engine(speculative_config=draft_spec(
+        small_ckpt, min_acceptance_rate=0.0, draft_vocab_size=24576))
+    assert greedy(engine, prompts) == want
+    s = engine.stats()
+    assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens
+    assert_all_blocks_free(engine)
+
+
+def test_a_draft_vocab_size_past_the_vocabulary_is_refused(small_ckpt):
+    with pytest.raises(ValueError, match="draft_vocab_size 49153 exceeds"):
+        LLMEngine.from_config(EngineConfig(  # type: ignore[arg-type]
+            model=str(small_ckpt), kv_cache_memory_bytes=8 << 20,
+            speculative_config=draft_spec(small_ckpt, draft_vocab_size=49153)))

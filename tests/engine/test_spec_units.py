@@ -122,6 +122,15 @@ def test_config_parses_vllm_json_and_refuses_bad_values() -> None:
                      ('{"method": "draft_model"}', "speculative_config.model is required"),
                      ('{"method": "draft_model", "model": " "}', "model is required"),
                      ('{"method": "ngram", "model": "m"}', "draft_model only"),
+                     ('{"method": "ngram", "draft_vocab_size": 8}', "draft_model only"),
+                     ('{"method": "draft_model", "model": "m", "draft_vocab_size": 0}',
+                      "draft_vocab_size must be"),
+                     ('{"method": "draft_model", "model": "m", "draft_vocab_size": true}',
+                      "draft_vocab_size must be"),
+                     ('{"method": "draft_model", "model": "m", "quantize_lm_head": true}',
+                      "needs quantization"),
+                     ('{"method": "draft_model", "model": "m", "quantization": "mxfp4", '
+                      '"quantize_lm_head": 1}', "quantize_lm_head must be true or false"),
                      ('{"method": "draft_model", "model": "m", "quantization": "int4"}',
                       "quantization"),
                      ('[1]', "JSON object"), ('{"method": ', "JSON")]:

@@ -8,6 +8,9 @@ overridden. The draft must share the target's tokenizer (same token -> id map): 
 start-up, refused otherwise. With model = the target's checkpoint and quantization = "mxfp4"
 it is the quantised self-draft: the MXFP4 copy proposes, the bf16 target verifies.
 
+With draft_vocab_size N the draft's LM head is cut to its first N rows (a view: no copy) before
+the kernels are swapped in, so the draft scores and drafts token ids < N only.
+
 The draft has its own paged KV cache (the engine's kv_cache_memory_bytes again) and a shadow
 Request per target request: its tokens follow the target's, its num_computed_tokens says how
 much of them the draft's cache holds. Each proposal first catches the shadow up (the whole
@@ -20,7 +23,11 @@ requests are computed together (one draft pass per position, a row per request).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+
+import torch
+from torch import nn
 
 from shared.config import EngineConfig
 from shared.engine.block_manager import KVCacheManager
@@ -118,16 +125,50 @@ def build_draft_proposer(config: EngineConfig, tokenizer: Tokenizer) -> DraftMod
     draft_dir = resolve_model(spec.model, config.resolved_cache_dir,
                               hub_cache=config.hf_hub_cache)
     check_same_tokenizer(tokenizer, Tokenizer(draft_dir), spec)
-    model, draft_config = load_model(draft_dir, config.dtype,
-                                     quantization=QuantConfig.parse(spec.quantization))
+    quant = QuantConfig.parse(spec.quantization)
+    if quant is not None and spec.quantize_lm_head:
+        quant = dataclasses.replace(quant, quantize_lm_head=True)
+    model, draft_config = load_model(draft_dir, config.dtype, quantization=quant)
+    vocab = draft_config.vocab_size
+    if spec.draft_vocab_size is not None:
+        if spec.draft_vocab_size > vocab:
+            raise ValueError(f"speculative_config.draft_vocab_size {spec.draft_vocab_size} "
+                             f"exceeds the draft model's vocabulary ({vocab})")
+        vocab = spec.draft_vocab_size
+        cut_lm_head(model, vocab)
     accelerate(model, config)
     geometry = KVGeometry.for_model(config, draft_config, draft_config.num_layers)
-    runner = ModelRunner(model, geometry, config, draft_config.vocab_size)
-    log.info("speculative draft model %s (%s): %d layers, rope %s, %d KV blocks", spec.model,
-             spec.quantization or config.dtype, draft_config.num_layers, draft_config.rope,
-             runner.num_blocks)
+    runner = ModelRunner(model, geometry, config, vocab)
+    log.info("speculative draft model %s (%s): %d layers, rope %s, %d KV blocks, drafts ids "
+             "< %d", spec.model, spec.quantization or config.dtype, draft_config.num_layers,
+             draft_config.rope, runner.num_blocks, vocab)
     limit = min(draft_config.max_position_embeddings, runner.num_blocks * config.block_size)
     return DraftModelProposer(runner, config.block_size, limit)
+
+
+@torch.no_grad()
+def cut_lm_head(model: nn.Module, rows: int) -> None:
+    """Replace model.lm_head ([vocab, hidden], dense or MXFP4) by one over its first `rows`
+    output rows. The new head's tensors are views of the old ones' leading rows (contiguous,
+    so the GEMV kernels take them as they are); a head tied to the embedding stays shared."""
+    from shared.model.quant import MXFP4Linear
+
+    head = getattr(model, "lm_head", None)
+    cut: MXFP4Linear | nn.Linear
+    if isinstance(head, MXFP4Linear):
+        cut = MXFP4Linear(head.in_features, rows, head.bias is not None, head.path,
+                          head.scratch, head.encoder)
+        cut.weight_blocks = head.weight_blocks[:rows]
+        cut.weight_scales = head.weight_scales[:rows]
+    elif type(head) is nn.Linear:
+        cut = nn.Linear(head.in_features, rows, bias=head.bias is not None, device="meta")
+        cut.weight = nn.Parameter(head.weight[:rows], requires_grad=False)
+    else:
+        raise ValueError(f"speculative_config.draft_vocab_size: the draft's LM head is a "
+                         f"{type(head).__name__}, which cannot be cut")
+    if head.bias is not None:
+        cut.bias = nn.Parameter(head.bias[:rows], requires_grad=False)
+    model.lm_head = cut
 
 
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, spec: SpeculativeConfig) -> None:
