@@ -72,8 +72,12 @@ def child_pdmesh(args: argparse.Namespace, quantization: str | None, head: bool)
 def child_llama(args: argparse.Namespace, gguf: Path) -> list[float]:
     from llama_cpp import Llama  # only in the peer venv
 
+    # One token per batch: on CPUs with AMX, ggml's AMX path (weights repacked at load, its
+    # fastest decode) segfaults on any batch of 2+ tokens (llama-cpp-python 0.3.36, Q4_1 file,
+    # Intel Xeon). Decode is one token per batch anyway; only the 16-token prompt, which is not
+    # timed, goes in 16 steps.
     llm = Llama(model_path=str(gguf), n_threads=args.threads, n_threads_batch=args.threads,
-                n_ctx=512, n_batch=512, verbose=False)
+                n_ctx=512, n_batch=1, n_ubatch=1, verbose=False)
 
     def once(seed: int, n: int) -> list[float]:
         stamps = []
@@ -92,7 +96,13 @@ def gguf_path(args: argparse.Namespace, system: str) -> Path:
     sys.path.insert(0, str(HERE))
     import peer_servers as ps
 
-    return args.cache / ps.BF16_GGUF_NAME if system.endswith("bf16") else ps.find_q4_gguf()
+    if not system.endswith("bf16"):
+        return ps.find_q4_gguf()
+    bf16 = args.cache / ps.BF16_GGUF_NAME
+    if not bf16.exists():
+        print(f"[setup] bf16 GGUF -> {bf16}", flush=True)
+        ps.convert_gguf_to_bf16(ps.find_q4_gguf(), bf16)
+    return bf16
 
 
 def run_child(args: argparse.Namespace, system: str) -> list[float]:

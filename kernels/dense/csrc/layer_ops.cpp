@@ -5,7 +5,8 @@
 //   rope_attention(qkv, kv_layer!, cos_sin, block_tables, context_lens, query_start,
 //                  num_heads, num_kv_heads, scale, path, window=0) -> Tensor [T, H D]
 //       RoPE on q and k, K/V written to the paged cache, causal attention over each sequence's
-//       context read straight from its block table (any T: prefill chunks and decode rows);
+//       context read straight from its block table (any T: prefill chunks and decode rows; a
+//       sequence of kBlockedAttentionMinRows+ new rows runs torch's flash attention instead);
 //       window > 0: a sliding window, the query at position p reads keys p - window < j <= p.
 //   decoder_layers(h!, kv_cache!, cos_sin, block_tables, context_lens, query_start,
 //                  Tensor?[] weights, num_heads, num_kv_heads, eps, scale, path, mxfp4_path,
@@ -31,7 +32,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -50,6 +55,12 @@ namespace {
 
 constexpr int64_t kRowGrain = 8;      // rows per parallel chunk of the elementwise kernels
 constexpr int64_t kMinKeysPerChunk = 4096;  // attention: (row, kv head, key) triples per chunk
+// A sequence with at least this many new rows (a prefill chunk) and full causal attention runs
+// torch's blocked (flash) attention: the per-row kernel reads every key once per query row,
+// which is quadratic traffic and GEMV-speed math; the blocked one reuses each key tile across
+// a tile of queries. Measured per layer on 2 cores (SmolLM2 heads): 5.2x faster for a
+// 2,000-token prompt, 1.7x at 200; at 64 new rows 0.87x with no cached context, 2x over 512.
+constexpr int64_t kBlockedAttentionMinRows = 64;
 
 constexpr LayerKernels kAvx512{rms_norm_avx512, add_inplace_avx512, silu_mul_avx512,
                                rope_store_avx512, attend_avx512};
@@ -109,6 +120,34 @@ Step make_step(const at::Tensor& tables, const at::Tensor& ctx, const at::Tensor
 
 namespace {
 
+// Full causal attention of sequence b's new rows through torch's scaled_dot_product_attention
+// (its CPU flash kernel: bf16 in, fp32 softmax and accumulation, bf16 out), into out's rows.
+// q [T, H D] (rotated), kv [2, num_blocks, block_size, KVH, D] with this step's keys already
+// written. The context's K / V blocks are gathered once ([KVH, ctx, D] each, 2 x ctx x KVH x D
+// bf16: small next to the attention's ctx^2 work). The new rows sit at positions
+// ctx - q_len .. ctx - 1, so with cached context before them (a later prefill chunk, a prefix
+// hit) the mask is lower-triangular from that offset; a whole prompt takes is_causal.
+void blocked_attention(const at::Tensor& q, const at::Tensor& kv, const Step& s, int64_t b,
+                       int64_t heads, int64_t kv_heads, double scale, at::Tensor& out) {
+  const int64_t r0 = s.args.query_start[b], q_len = s.args.query_start[b + 1] - r0;
+  const int64_t ctx = s.args.context_lens[b], bs = s.args.block_size, d = kv.size(4);
+  const int64_t nblk = (ctx + bs - 1) / bs;
+  const at::Tensor table = at::from_blob(
+      const_cast<int32_t*>(s.args.block_tables + b * s.args.max_blocks), {nblk},
+      at::TensorOptions().dtype(at::kInt));
+  auto gather = [&](int64_t which) {  // [1, KVH, ctx, D]
+    return kv[which].index_select(0, table).view({nblk * bs, kv_heads, d}).narrow(0, 0, ctx)
+        .permute({1, 0, 2}).unsqueeze(0);
+  };
+  const at::Tensor qs = q.narrow(0, r0, q_len).view({q_len, heads, d}).permute({1, 0, 2})
+                            .unsqueeze(0);  // [1, H, q_len, D]
+  std::optional<at::Tensor> mask;
+  if (ctx > q_len) mask = at::ones({q_len, ctx}, q.options().dtype(at::kBool)).tril(ctx - q_len);
+  const at::Tensor o = at::scaled_dot_product_attention(
+      qs, gather(0), gather(1), mask, 0.0, !mask.has_value(), scale, /*enable_gqa=*/true);
+  out.narrow(0, r0, q_len).view({q_len, heads, d}).copy_(o.squeeze(0).permute({1, 0, 2}));
+}
+
 // RoPE + cache write, then attention: qkv [T, (H + 2 KVH) D] -> [T, H D].
 at::Tensor attention_core(const LayerKernels& k, const at::Tensor& qkv, at::Tensor& kv,
                           const at::Tensor& cos_sin, const Step& s, int64_t heads,
@@ -125,12 +164,26 @@ at::Tensor attention_core(const LayerKernels& k, const at::Tensor& qkv, at::Tens
   // inline rather than paying a parallel region's fork and barrier.
   const int64_t keys = window > 0 ? std::min(window, s.max_context) : s.max_context;
   const int64_t grain = std::max<int64_t>(1, kMinKeysPerChunk / std::max<int64_t>(1, keys));
-  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scratch(group * (s.max_context + d));
-    std::vector<int64_t> offsets(s.max_context);
-    k.attend(bits(q), s.args, c, static_cast<float>(scale), bits(out), scratch.data(),
-             offsets.data(), i0, i1);
-  });
+  auto per_row = [&](int64_t r0, int64_t r1) {  // rows [r0, r1) with the per-row kernel
+    if (r0 >= r1) return;
+    at::parallel_for(r0 * kv_heads, r1 * kv_heads, grain, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scratch(group * (s.max_context + d));
+      std::vector<int64_t> offsets(s.max_context);
+      k.attend(bits(q), s.args, c, static_cast<float>(scale), bits(out), scratch.data(),
+               offsets.data(), i0, i1);
+    });
+  };
+  // Rows are sequence-major: long prefill chunks go to blocked_attention, the runs of rows
+  // between them to the per-row kernel.
+  int64_t pending = 0;
+  for (int64_t b = 0; b < s.args.num_seqs; ++b) {
+    const int64_t r0 = s.args.query_start[b], r1 = s.args.query_start[b + 1];
+    if (window > 0 || r1 - r0 < kBlockedAttentionMinRows) continue;
+    per_row(pending, r0);
+    blocked_attention(q, kv, s, b, heads, kv_heads, scale, out);
+    pending = r1;
+  }
+  per_row(pending, rows);
   return out;
 }
 
