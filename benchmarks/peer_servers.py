@@ -180,7 +180,11 @@ def vllm_spec(cache: Path, hf_dir: Path, port: int, threads: int, bind: str) -> 
 
 def llama_spec(cache: Path, name: str, gguf_path: Path, port: int, threads: int,
                force_length: bool) -> ServerSpec:
-    argv = (str(llama_venv(cache) / "bin" / "python"), "-m", "llama_cpp.server",
+    # On AMX CPUs through benchmarks/llama_amx.py: llama.cpp's AMX repacking crashes on prompts.
+    amx = "amx_int8" in Path("/proc/cpuinfo").read_text()
+    server = (str(Path(__file__).with_name("llama_amx.py")),) if amx else (
+        "-m", "llama_cpp.server")
+    argv = (str(llama_venv(cache) / "bin" / "python"), *server,
             "--model", str(gguf_path), "--model_alias", SERVED_NAME, "--host", "127.0.0.1",
             "--port", str(port), "--n_ctx", str(MAX_MODEL_LEN), "--n_threads", str(threads),
             "--n_threads_batch", str(threads),

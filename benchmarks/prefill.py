@@ -80,17 +80,9 @@ def child_pdmesh(args: argparse.Namespace, quantization: str | None) -> dict[str
 
 def child_llama(args: argparse.Namespace, gguf: Path) -> dict[str, list[float]]:
     import llama_cpp  # only in the peer venv
-    from llama_cpp import llama as llama_module
+    from llama_amx import disable_repacking_on_amx
 
-    if "amx_int8" in Path("/proc/cpuinfo").read_text():
-        default_params = llama_cpp.llama_model_default_params
-
-        def no_extra_bufts():  # the AMX repacking that crashes batched evaluation here
-            p = default_params()
-            p.use_extra_bufts = False
-            return p
-
-        llama_module.llama_cpp.llama_model_default_params = no_extra_bufts
+    disable_repacking_on_amx()
     llm = llama_cpp.Llama(model_path=str(gguf), n_threads=args.threads,
                           n_threads_batch=args.threads, n_ctx=max(args.lengths) + 64,
                           n_batch=512, verbose=False)
