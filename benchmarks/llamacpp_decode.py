@@ -96,13 +96,7 @@ def gguf_path(args: argparse.Namespace, system: str) -> Path:
     sys.path.insert(0, str(HERE))
     import peer_servers as ps
 
-    if not system.endswith("bf16"):
-        return ps.find_q4_gguf()
-    bf16 = args.cache / ps.BF16_GGUF_NAME
-    if not bf16.exists():
-        print(f"[setup] bf16 GGUF -> {bf16}", flush=True)
-        ps.convert_gguf_to_bf16(ps.find_q4_gguf(), bf16)
-    return bf16
+    return ps.bf16_gguf(args.cache) if system.endswith("bf16") else ps.find_q4_gguf()
 
 
 def run_child(args: argparse.Namespace, system: str) -> list[float]:

@@ -130,6 +130,15 @@ def find_q4_gguf() -> Path:
     return path
 
 
+def bf16_gguf(cache: Path) -> Path:
+    """The bf16 GGUF under cache, converted from the Q4_1 file on first use."""
+    bf16 = cache / BF16_GGUF_NAME
+    if not bf16.exists():
+        print(f"[setup] bf16 GGUF -> {bf16}", flush=True)
+        convert_gguf_to_bf16(find_q4_gguf(), bf16)
+    return bf16
+
+
 def convert_gguf_to_bf16(src: Path, dst: Path) -> None:
     """Copy src's metadata and write every 2-D tensor dequantized to bf16 (1-D ones stay f32).
 

@@ -320,10 +320,8 @@ def prepare(args: argparse.Namespace) -> Path:
     args.cache.mkdir(parents=True, exist_ok=True)
     if not args.skip_setup:
         ps.run_setup(ps.setup_steps(args.cache, sys.executable, need_vllm, need_llama))
-    bf16 = args.cache / ps.BF16_GGUF_NAME
-    if "llamacpp-bf16" in args.systems and not bf16.exists():
-        print(f"[setup] bf16 GGUF -> {bf16}", flush=True)
-        ps.convert_gguf_to_bf16(ps.find_q4_gguf(), bf16)
+    if "llamacpp-bf16" in args.systems:
+        ps.bf16_gguf(args.cache)
     hf_dir = resolve_hf_dir(args)
     make_prompts(args, hf_dir)
     return hf_dir

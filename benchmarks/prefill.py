@@ -133,12 +133,7 @@ def child_command(args: argparse.Namespace, system: str) -> tuple[list[str], dic
             env["LD_PRELOAD"] = str(iomp)
         python = ps.vllm_venv(args.cache) / "bin" / "python"
         return [str(python), __file__, *common, "--model-path", str(hf_dir)], env
-    gguf = ps.find_q4_gguf()
-    if system == "llamacpp-bf16":
-        gguf = args.cache / ps.BF16_GGUF_NAME
-        if not gguf.exists():
-            print(f"[setup] bf16 GGUF -> {gguf}", flush=True)
-            ps.convert_gguf_to_bf16(ps.find_q4_gguf(), gguf)
+    gguf = ps.bf16_gguf(args.cache) if system == "llamacpp-bf16" else ps.find_q4_gguf()
     python = ps.llama_venv(args.cache) / "bin" / "python"
     return [str(python), __file__, *common, "--model-path", str(gguf)], env
 

@@ -113,11 +113,8 @@ def server_spec(name: str, args: argparse.Namespace, hf_dir: Path) -> ps.ServerS
         if iomp.is_file() and not args.no_iomp:
             env["LD_PRELOAD"] = str(iomp)  # vLLM adds its tcmalloc in front itself
         return dataclasses.replace(spec, name=name, argv=spec.argv + flags, env=env)
-    bf16 = args.cache / ps.BF16_GGUF_NAME
-    if not bf16.exists():
-        print(f"[setup] bf16 GGUF -> {bf16}", flush=True)
-        ps.convert_gguf_to_bf16(ps.find_q4_gguf(), bf16)
-    return ps.llama_spec(args.cache, name, bf16, port, args.threads, force_length=False)
+    return ps.llama_spec(args.cache, name, ps.bf16_gguf(args.cache), port, args.threads,
+                         force_length=False)
 
 
 async def ask(session: aiohttp.ClientSession, spec: ps.ServerSpec, model: str, text: str,
