@@ -85,4 +85,23 @@ static inline uint16_t f32_to_bf16_rne(float f) {
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// An MXFP4 projection over a slice of output columns, as plain functions: what the dense
+// library's decode team (one parallel region per step) calls on each thread for an MXFP4
+// weight, where the torch op pdmesh_mxfp4::linear would open a parallel region of its own per
+// projection. The MXFP4 library's op column_kernel(path) returns the address of the one
+// instance for that code path (it lives as long as the library). Each output column is summed
+// in one fixed order whatever the slice, so any split of the columns gives the bits the op does.
+struct Mxfp4Columns {
+  // Bytes of per-thread scratch that prepare() fills for x [m, k] (k a multiple of 32).
+  int64_t (*x_scratch_bytes)(int64_t m, int64_t k);
+  // x bf16 [m, k] -> x_scratch, in the layout run() reads.
+  void (*prepare)(const uint16_t* x, int64_t m, int64_t k, void* x_scratch);
+  // y bf16 [m, n] (row stride n), columns [n0, n1) = x @ W.T (+ bias), rounded once to bf16.
+  // W is blocks uint8 [n, k/32, 16] and scales uint8 [n, k/32]; bias fp32 [n] or nullptr.
+  // y_scratch: m * (n1 - n0) floats (tiers without a bf16 kernel sum in fp32 there first).
+  void (*run)(const uint16_t* x, const void* x_scratch, const uint8_t* blocks,
+              const uint8_t* scales, const float* bias, int64_t m, int64_t k, int64_t n,
+              int64_t n0, int64_t n1, uint16_t* y, float* y_scratch);
+};
+
 }  // namespace pdmesh_native

@@ -266,13 +266,24 @@ def test_per_layer_calls_equal_the_stacked_call(native: NativeDecoder,
 SMALL_STEPS = [([0, 0, 0], [12, 3, 9]), ([12, 3, 9], [1, 1, 1]), ([13, 4, 10], [1, 6, 1])]
 
 
+def _small_model(native: NativeDecoder, arch: str, packed: bool, base: Path) -> LlamaForCausalLM:
+    """The bf16 checkpoint with the tier's dense GEMV, or (packed) its MXFP4 linears on the
+    code path the tier's fused layer calls."""
+    if packed:
+        quant = QuantConfig(backend=_mxfp4_backend(native))
+        return load_model(_checkpoint(arch, base), "bfloat16", quantization=quant)[0]
+    model = load_model(_checkpoint(arch, base), "bfloat16")[0]
+    dense.accelerate_linears(model, native.path.backend)
+    return model
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bf16", "mxfp4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_threads_do_not_change_results(native: NativeDecoder, arch: str,
+def test_threads_do_not_change_results(native: NativeDecoder, arch: str, packed: bool,
                                        tmp_path_factory: pytest.TempPathFactory) -> None:
     """The fused stack splits outputs (GEMV columns, norm rows, attention items) across
     threads, never a sum: 1 and 2 threads give the same logits bit for bit."""
-    model = load_model(_checkpoint(arch, tmp_path_factory.getbasetemp()), "bfloat16")[0]
-    dense.accelerate_linears(model, native.path.backend)
+    model = _small_model(native, arch, packed, tmp_path_factory.getbasetemp())
     assert model.use_native(native) == model.num_local_layers
     threads = torch.get_num_threads()
     try:
@@ -285,15 +296,19 @@ def test_threads_do_not_change_results(native: NativeDecoder, arch: str,
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["bf16", "mxfp4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_team_equals_the_per_op_driver(native: NativeDecoder, arch: str, threads: int,
+                                              packed: bool,
                                               tmp_path_factory: pytest.TempPathFactory) -> None:
     """Decode-sized steps run every layer in one parallel region (csrc/decode_team.cpp); the
     per-op driver (a region per projection, norm and attention) is its oracle: bit for bit,
-    on decode rows, a 24-row first step (the blocked GEMV tiles) and a mixed step."""
-    model = load_model(_checkpoint(arch, tmp_path_factory.getbasetemp()), "bfloat16")[0]
-    dense.accelerate_linears(model, native.path.backend)
+    on decode rows, a 24-row first step (the blocked GEMV tiles) and a mixed step. MXFP4
+    projections in the team run kernels.mxfp4's kernel on each thread's column slice; the
+    per-op driver calls its op (its own column split), so this also checks that a column's
+    bits do not depend on the split."""
+    model = _small_model(native, arch, packed, tmp_path_factory.getbasetemp())
     assert model.use_native(native) == model.num_local_layers
     per_op = native.decoder_layers
     saved = torch.get_num_threads()

@@ -21,13 +21,18 @@
 // the next projection (its weight rows stream from DRAM; the barrier wait hides the first
 // misses).
 //
-// Only dense bf16 blocks and at most kGemvMaxRows rows come here (decoder_layers checks);
-// every shape was validated before the region opens, so nothing in it throws.
+// At most kGemvMaxRows rows come here (decoder_layers checks). A projection is dense bf16 (this
+// library's GEMV) or MXFP4: then each thread converts x to the MXFP4 kernel's layout itself
+// and runs that library's fused kernel on its column slice through the plain functions of
+// native.h's Mxfp4Columns, bit-identical to the op pdmesh_mxfp4::linear that run_block calls
+// (whose own parallel region per projection is what the team saves). Every shape was validated
+// before the region opens, so nothing in it throws.
 #include <ATen/Parallel.h>
 #include <omp.h>
 #include <xmmintrin.h>
 
 #include <algorithm>
+#include <cassert>
 #include <vector>
 
 #include "dense.h"
@@ -69,6 +74,7 @@ struct Gemv {
   // y[:, cols] = x @ p.w[cols].T (+ bias); xr is this thread's fp32 scratch (reorder only).
   void run(const Proj& p, const uint16_t* x, int64_t m, float* xr, uint16_t* y, Slice cols) const {
     if (cols.first >= cols.end) return;
+    assert(!p.scales);  // MXFP4 projections go to run_mxfp4
     const int64_t k = p.w.size(1), kp = kpad(k);
     if (reorder) {
       if (avx2) {
@@ -98,8 +104,25 @@ struct Gemv {
 void prefetch(const Proj& p, Slice cols) {
   if (cols.first >= cols.end) return;
   const char* start = static_cast<const char*>(p.w.const_data_ptr()) +
-                      cols.first * p.w.stride(0) * 2;
+                      cols.first * p.w.stride(0) * static_cast<int64_t>(p.w.element_size());
   for (int64_t i = 0; i < kPrefetchLines; ++i) _mm_prefetch(start + 64 * i, _MM_HINT_T1);
+}
+
+// An MXFP4 projection as pdmesh_mxfp4::linear's checks would take it (blocks uint8
+// [n, k/32, 16], scales uint8 [n, k/32], bias fp32 [n]; all contiguous).
+void check_packed_proj(const Proj& p) {
+  const at::Tensor& s = *p.scales;
+  TORCH_CHECK(p.w.scalar_type() == at::kByte && s.scalar_type() == at::kByte &&
+                  p.w.dim() == 3 && p.w.size(2) == 16 && s.dim() == 2 &&
+                  s.size(0) == p.w.size(0) && s.size(1) == p.w.size(1) &&
+                  p.w.is_contiguous() && s.is_contiguous(),
+              "dense layer: an MXFP4 projection needs contiguous uint8 blocks [n, k/32, 16] "
+              "and scales [n, k/32]");
+  if (p.bias) {
+    TORCH_CHECK(p.bias->scalar_type() == at::kFloat && p.bias->is_contiguous() &&
+                    p.bias->numel() == p.w.size(0),
+                "dense layer: an MXFP4 projection's bias must be a contiguous fp32 [n] tensor");
+  }
 }
 
 void check_team_block(const Block& w, int64_t hidden, const at::Tensor& kv,
@@ -112,6 +135,10 @@ void check_team_block(const Block& w, int64_t hidden, const at::Tensor& kv,
                   w.qkv.out_features() == (g.heads + 2 * g.kv_heads) * d,
               "dense layer: qkv / cos_sin widths do not match the head geometry");
   for (const Proj* p : {&w.qkv, &w.o, &w.gate_up, &w.down}) {
+    if (p->scales) {
+      check_packed_proj(*p);
+      continue;
+    }
     TORCH_CHECK(p->w.stride(1) == 1 && p->w.stride(0) >= p->w.size(1),
                 "dense: w rows must be contiguous");
     if (p->bias) {
@@ -133,6 +160,8 @@ struct Private {
   std::vector<uint16_t> xn, act;
   std::vector<float> xr, scratch;
   std::vector<int64_t> offsets;
+  std::vector<uint64_t> mx_x;  // MXFP4: x in the kernel's layout (8-byte words, aligned)
+  std::vector<float> mx_y;     // MXFP4: the fp32 sums of this thread's column slice
 };
 
 // The team's view of one step: everything the phases read, validated and sized.
@@ -145,7 +174,23 @@ struct Plan {
   uint16_t* h;
   const uint16_t* cos_sin;
   const std::vector<CacheArgs>& caches;  // layer i's K and V planes of the paged cache
+  const pdmesh_native::Mxfp4Columns* mx;  // MXFP4 projections' kernel; nullptr if none
   int64_t rows, hidden, inter, d, qkv_n;
+
+  // y[:, cols] = x @ p[cols].T (+ bias), dense or MXFP4.
+  void project(const Proj& p, const uint16_t* x, Private& pv, uint16_t* y, Slice cols) const {
+    if (!p.scales) {
+      gemv.run(p, x, rows, pv.xr.data(), y, cols);
+      return;
+    }
+    if (cols.first >= cols.end) return;
+    const int64_t k = p.in_features();
+    mx->prepare(x, rows, k, pv.mx_x.data());
+    mx->run(x, pv.mx_x.data(), static_cast<const uint8_t*>(p.w.const_data_ptr()),
+            static_cast<const uint8_t*>(p.scales->const_data_ptr()),
+            p.bias ? p.bias->const_data_ptr<float>() : nullptr, rows, k, p.out_features(),
+            cols.first, cols.end, y, pv.mx_y.data());
+  }
 };
 
 // Layer i's six phases on thread tid of team (see the file comment).
@@ -158,7 +203,7 @@ void run_layer(const Plan& p, int64_t i, Shared& sh, Private& pv, int tid, int t
   const CacheArgs& c = p.caches[i];
 
   p.k.rms_norm(p.h, bits(w.ln1), hidden, p.g.eps, pv.xn.data(), 0, m);
-  p.gemv.run(w.qkv, pv.xn.data(), m, pv.xr.data(), sh.qkv.data(), qkv_cols);
+  p.project(w.qkv, pv.xn.data(), pv, sh.qkv.data(), qkv_cols);
   prefetch(w.o, o_cols);
 #pragma omp barrier
   const Slice rows = split(m, 1, tid, team);
@@ -172,7 +217,7 @@ void run_layer(const Plan& p, int64_t i, Shared& sh, Private& pv, int tid, int t
                pv.scratch.data(), pv.offsets.data(), items.first, items.end);
   }
 #pragma omp barrier
-  p.gemv.run(w.o, sh.attn.data(), m, pv.xr.data(), sh.y.data(), o_cols);
+  p.project(w.o, sh.attn.data(), pv, sh.y.data(), o_cols);
   for (int64_t r = 0; r < m && o_cols.first < o_cols.end; ++r) {
     p.k.add_inplace(p.h + r * hidden + o_cols.first, sh.y.data() + r * hidden + o_cols.first,
                     o_cols.end - o_cols.first);
@@ -180,11 +225,11 @@ void run_layer(const Plan& p, int64_t i, Shared& sh, Private& pv, int tid, int t
   prefetch(w.gate_up, gu_cols);
 #pragma omp barrier
   p.k.rms_norm(p.h, bits(w.ln2), hidden, p.g.eps, pv.xn.data(), 0, m);
-  p.gemv.run(w.gate_up, pv.xn.data(), m, pv.xr.data(), sh.gu.data(), gu_cols);
+  p.project(w.gate_up, pv.xn.data(), pv, sh.gu.data(), gu_cols);
   prefetch(w.down, o_cols);
 #pragma omp barrier
   p.k.silu_mul(sh.gu.data(), inter, pv.act.data(), 0, m);
-  p.gemv.run(w.down, pv.act.data(), m, pv.xr.data(), sh.y.data(), o_cols);
+  p.project(w.down, pv.act.data(), pv, sh.y.data(), o_cols);
   for (int64_t r = 0; r < m && o_cols.first < o_cols.end; ++r) {
     p.k.add_inplace(p.h + r * hidden + o_cols.first, sh.y.data() + r * hidden + o_cols.first,
                     o_cols.end - o_cols.first);
@@ -199,7 +244,7 @@ void run_layer(const Plan& p, int64_t i, Shared& sh, Private& pv, int tid, int t
 
 void decode_team(at::Tensor& h, at::Tensor& kv_cache, const at::Tensor& cos_sin, const Step& s,
                  const std::vector<Block>& blocks, const Heads& g,
-                 const std::vector<int64_t>& windows) {
+                 const std::vector<int64_t>& windows, const pdmesh_native::Mxfp4Columns* mx) {
   const int64_t m = h.size(0), hidden = h.size(1);
   TORCH_CHECK(m <= kGemvMaxRows, "dense layer: the decode team takes at most ", kGemvMaxRows,
               " rows");
@@ -213,7 +258,7 @@ void decode_team(at::Tensor& h, at::Tensor& kv_cache, const at::Tensor& cos_sin,
     caches.push_back(CacheArgs{bits(kv[0]), bits(kv[1]), g.heads, g.kv_heads, d,
                                cos_sin.size(1), windows[i]});
   }
-  const Plan plan{s, blocks, g, *g.kernels, Gemv(g.path), bits(h), bits(cos_sin), caches,
+  const Plan plan{s, blocks, g, *g.kernels, Gemv(g.path), bits(h), bits(cos_sin), caches, mx,
                   m, hidden, inter, d, (g.heads + 2 * g.kv_heads) * d};
   const int64_t hd = g.heads * d;
   Shared sh{std::vector<uint16_t>(m * plan.qkv_n), std::vector<uint16_t>(m * hd),
@@ -222,13 +267,24 @@ void decode_team(at::Tensor& h, at::Tensor& kv_cache, const at::Tensor& cos_sin,
   const int64_t kpad_max = plan.gemv.kpad(std::max({hidden, inter, hd}));
   const int64_t group = g.heads / g.kv_heads;
   const int threads = at::get_num_threads();
+  // MXFP4 scratch per thread: x for the widest k, fp32 sums for a column slice.
+  int64_t mx_x_bytes = 0, mx_y = 0;
+  for (const Block& b : blocks) {
+    for (const Proj* p : {&b.qkv, &b.o, &b.gate_up, &b.down}) {
+      if (!p->scales) continue;
+      TORCH_CHECK(mx != nullptr, "dense layer: MXFP4 projections need the MXFP4 column kernel");
+      mx_x_bytes = std::max(mx_x_bytes, mx->x_scratch_bytes(m, p->in_features()));
+      mx_y = std::max(mx_y, m * p->out_features());  // any team size: a slice is at most n
+    }
+  }
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
     Private pv{std::vector<uint16_t>(m * hidden), std::vector<uint16_t>(m * inter),
                std::vector<float>(plan.gemv.reorder ? m * kpad_max : 0),
                std::vector<float>(group * (s.max_context + d)),
-               std::vector<int64_t>(s.max_context)};
+               std::vector<int64_t>(s.max_context),
+               std::vector<uint64_t>((mx_x_bytes + 7) / 8), std::vector<float>(mx_y)};
     for (int64_t i = 0; i < static_cast<int64_t>(blocks.size()); ++i) {
       run_layer(plan, i, sh, pv, tid, team);
     }

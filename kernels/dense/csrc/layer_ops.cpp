@@ -243,6 +243,16 @@ at::Tensor mxfp4_linear(const at::Tensor& x, const Proj& p, int64_t path) {
   return op.call(x, p.w, *p.scales, p.bias, path);
 }
 
+// The same library's column-slice kernel for the decode team (native.h: Mxfp4Columns). The op
+// raises for a path this CPU cannot run, as pdmesh_mxfp4::linear would.
+const pdmesh_native::Mxfp4Columns* mxfp4_columns(int64_t path) {
+  static const c10::TypedOperatorHandle<int64_t(int64_t)> op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("pdmesh_mxfp4::column_kernel", "")
+          .typed<int64_t(int64_t)>();
+  return reinterpret_cast<const pdmesh_native::Mxfp4Columns*>(
+      static_cast<intptr_t>(op.call(path)));
+}
+
 // Prefill rows (more than kGemvMaxRows) through torch's GEMM. torch's bf16 GEMM is fast only
 // where the CPU has bf16 dot products; on the other tiers (avx2, avx512) it is ~6x slower than
 // its fp32 GEMM (AMD Zen 3, 200 rows, 1 thread: 4.3 s against 0.7 s for SmolLM2's prompt), so
@@ -393,8 +403,9 @@ void decoder_layers(at::Tensor h, at::Tensor kv_cache, const at::Tensor& cos_sin
   const bool dense = std::none_of(blocks.begin(), blocks.end(), [](const Block& b) {
     return b.qkv.scales || b.o.scales || b.gate_up.scales || b.down.scales;
   });
-  if (team && dense && h.size(0) <= kGemvMaxRows) {
-    decode_team(h, kv_cache, cos_sin, s, blocks, g, windows);  // one region for every layer
+  if (team && h.size(0) <= kGemvMaxRows) {  // one region for every layer
+    decode_team(h, kv_cache, cos_sin, s, blocks, g, windows,
+                dense ? nullptr : mxfp4_columns(g.mxfp4_path));
     return;
   }
   for (int64_t i = 0; i < layers; ++i) {

@@ -63,11 +63,12 @@ void check_block(const Block& w, int64_t hidden, const at::Tensor& kv, const Hea
 void check_geometry(const at::Tensor& qkv, const at::Tensor& kv, const at::Tensor& cos_sin,
                     int64_t heads, int64_t kv_heads);
 
-// Every layer of kv_cache [L, 2, ...] on h [T <= kGemvMaxRows, hidden] for dense bf16 blocks,
-// in one parallel region (decode_team.cpp). Bit-identical to run_block over each layer.
-// windows[i]: layer i's sliding window (0: full attention).
+// Every layer of kv_cache [L, 2, ...] on h [T <= kGemvMaxRows, hidden] in one parallel region
+// (decode_team.cpp). Bit-identical to run_block over each layer. windows[i]: layer i's sliding
+// window (0: full attention). mx: the MXFP4 library's column kernel for g.mxfp4_path, needed
+// (non-null) when some projection is MXFP4.
 void decode_team(at::Tensor& h, at::Tensor& kv_cache, const at::Tensor& cos_sin, const Step& s,
                  const std::vector<Block>& blocks, const Heads& g,
-                 const std::vector<int64_t>& windows);
+                 const std::vector<int64_t>& windows, const pdmesh_native::Mxfp4Columns* mx);
 
 }  // namespace pdmesh_dense

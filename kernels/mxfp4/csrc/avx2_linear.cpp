@@ -93,7 +93,7 @@ void tile(const LinearArgs& a, int64_t r0, int64_t n) {
 #pragma GCC unroll 16
   for (int i = 0; i < R * C; ++i) {
     const int c = i / R, r = i % R;
-    y[(r0 + r) * a.n + n + c] = hsum(acc[c][r]) + (a.bias ? a.bias[n + c] : 0.0f);
+    y[a.y_at(r0 + r, n + c)] = hsum(acc[c][r]) + (a.bias ? a.bias[n + c] : 0.0f);
   }
 }
 

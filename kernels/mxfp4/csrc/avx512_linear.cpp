@@ -51,7 +51,9 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm512_castps512_ps128(v);
 }
 
-// sums[i] = horizontal sum of acc[i], four at a time.
+// sums[i] = horizontal sum of acc[i], four at a time. The leftovers take the same tree (each
+// lane of reduce4 sums its own input only), so a column's bits do not depend on its tile's
+// width: any split of the output columns (ops.cpp's, or the dense decode team's) agrees.
 template <int N>
 inline void reduce_all(const __m512* acc, float* sums) {
   int i = 0;
@@ -59,7 +61,8 @@ inline void reduce_all(const __m512* acc, float* sums) {
   for (; i + 4 <= N; i += 4) {
     _mm_storeu_ps(sums + i, reduce4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
   }
-  for (; i < N; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
+  const __m512 zero = _mm512_setzero_ps();
+  for (; i < N; ++i) sums[i] = _mm_cvtss_f32(reduce4(acc[i], zero, zero, zero));
 }
 
 inline const __m128i* block_bytes(const LinearArgs& a, int64_t n, int64_t j) {
@@ -75,7 +78,7 @@ inline void store_tile(const LinearArgs& a, int64_t r0, int64_t n, const __m512 
   for (int i = 0; i < R * C; ++i) {
     const int r = i / C, c = i % C;
     const float v = sums[i] + (a.bias ? a.bias[n + c] : 0.0f);
-    const int64_t at = (r0 + r) * a.n + n + c;
+    const int64_t at = a.y_at(r0 + r, n + c);
     if constexpr (kBf16) {
       static_cast<uint16_t*>(a.y)[at] = f32_to_bf16_rne(v);
     } else {

@@ -84,8 +84,14 @@ struct LinearArgs {
   const uint8_t* blocks;  // [n, k/32, 16]
   const uint8_t* scales;  // [n, k/32]
   const float* bias;      // [n] or nullptr
-  void* y;                // [m, n] fp32 (linear_f32) or bf16 (linear_bf16)
+  void* y;                // [m, n] fp32 (linear_f32) or bf16 (linear_bf16); see y_at
   int64_t m, k, n;
+  // y's row stride and the column its first element holds: 0 and 0 mean ldy = n, y0 = 0 (the
+  // whole [m, n] output); a caller writing one column slice [y0, ...) sets both.
+  int64_t ldy = 0, y0 = 0;
+
+  // Offset in y of output (r, c).
+  int64_t y_at(int64_t r, int64_t c) const { return r * (ldy ? ldy : n) + c - y0; }
 };
 
 // The pair layout of bf16 x for linear_bf16: per row, for each pair of 32-blocks (j, j+1), the

@@ -7,6 +7,7 @@
 //   dequantize(Tensor blocks, Tensor scales, ScalarType dtype, int path) -> Tensor
 //   dequantize_into(Tensor blocks, Tensor scales, Tensor(a!) out, int path) -> ()
 //   linear(Tensor x, Tensor blocks, Tensor scales, Tensor? bias, int path) -> Tensor
+//   column_kernel(int path) -> int   (address of path's pdmesh_native::Mxfp4Columns)
 // path: 0 scalar, 1 avx512 (no vdpbf16ps), 2 avx2, 3 avx512_bf16; one this CPU cannot run
 // raises. Python (kernels/mxfp4/backend.py) validates dtypes and shapes and makes inputs
 // contiguous; the checks here only guard memory safety.
@@ -232,6 +233,71 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tenso
   return x.scalar_type() == at::kBFloat16 && !bf16_kernel ? y.to(at::kBFloat16) : y;
 }
 
+// The decode team's column-slice entry points (native.h: Mxfp4Columns) for code path P: the
+// same kernels and x layouts as linear() above, one output slice per call, no parallel region.
+template <int64_t P>
+int64_t columns_x_scratch_bytes(int64_t m, int64_t k) {
+  const KernelTable& t = table_for(P);
+  if (t.linear_bf16 != nullptr) return m * x_pairs(k) * 2 * kBlock * int64_t{sizeof(uint16_t)};
+  return m * k * int64_t{sizeof(float)};
+}
+
+template <int64_t P>
+void columns_prepare(const uint16_t* x, int64_t m, int64_t k, void* x_scratch) {
+  const KernelTable& t = table_for(P);
+  if (t.linear_bf16 != nullptr) {
+    t.pair_x_bf16(x, m, k, static_cast<uint16_t*>(x_scratch));
+    return;
+  }
+  reorder(x, static_cast<float*>(x_scratch), m * k / kBlock, t.x_order ? t.x_order : kEvenOdd.at,
+          [](uint16_t v) { return bits_to_f32(static_cast<uint32_t>(v) << 16); });
+}
+
+template <int64_t P>
+void columns_run(const uint16_t* x, const void* x_scratch, const uint8_t* blocks,
+                 const uint8_t* scales, const float* bias, int64_t m, int64_t k, int64_t n,
+                 int64_t n0, int64_t n1, uint16_t* y, float* y_scratch) {
+  const KernelTable& t = table_for(P);
+  LinearArgs a{};
+  a.blocks = blocks;
+  a.scales = scales;
+  a.bias = bias;
+  a.m = m;
+  a.k = k;
+  a.n = n;
+  if (t.linear_bf16 != nullptr) {
+    a.x_bf16 = x;
+    a.x_pairs = static_cast<const uint16_t*>(x_scratch);
+    a.y = y;
+    t.linear_bf16(a, n0, n1);
+    return;
+  }
+  // fp32 sums into y_scratch [m, n1 - n0], then one RNE rounding, as linear()'s y.to(bf16).
+  a.x = static_cast<const float*>(x_scratch);
+  a.y = y_scratch;
+  a.ldy = n1 - n0;
+  a.y0 = n0;
+  t.linear_f32(a, n0, n1);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t c = n0; c < n1; ++c) y[r * n + c] = f32_to_bf16_rne(y_scratch[a.y_at(r, c)]);
+  }
+}
+
+template <int64_t P>
+constexpr pdmesh_native::Mxfp4Columns kColumns{columns_x_scratch_bytes<P>, columns_prepare<P>,
+                                               columns_run<P>};
+
+// The address of path's Mxfp4Columns, as an int (a torch op returns no pointers); raises for a
+// path this CPU or this build cannot run, so the functions themselves never do.
+int64_t column_kernel(int64_t path) {
+  table_for(path);
+  const pdmesh_native::Mxfp4Columns* c = path == kPathScalar ? &kColumns<kPathScalar>
+                                         : path == kPathAvx512 ? &kColumns<kPathAvx512>
+                                         : path == kPathAvx2 ? &kColumns<kPathAvx2>
+                                                             : &kColumns<kPathAvx512Bf16>;
+  return static_cast<int64_t>(reinterpret_cast<intptr_t>(c));
+}
+
 }  // namespace
 }  // namespace pdmesh_mxfp4
 
@@ -247,4 +313,5 @@ PDMESH_MXFP4_LIBRARY(PDMESH_MXFP4_NS, m) {
         &pdmesh_mxfp4::dequantize_into);
   m.def("linear(Tensor x, Tensor blocks, Tensor scales, Tensor? bias, int path) -> Tensor",
         &pdmesh_mxfp4::linear);
+  m.def("column_kernel(int path) -> int", &pdmesh_mxfp4::column_kernel);
 }

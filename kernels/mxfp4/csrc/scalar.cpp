@@ -123,7 +123,7 @@ void linear_f32_scalar(const LinearArgs& a, int64_t n0, int64_t n1) {
       const float* p = acc.data() + r * kLanes;
       float sum = 0.0f;
       for (int l = 0; l < kLanes; ++l) sum += p[l];
-      y[r * a.n + n] = sum + bias;
+      y[a.y_at(r, n)] = sum + bias;
     }
   }
 }
