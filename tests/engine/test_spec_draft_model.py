@@ -64,6 +64,22 @@ def test_another_draft_is_lossless(make_engine, make_checkpoint):
     assert_all_blocks_free(engine)
 
 
+def test_a_request_that_could_not_speculate_at_first_never_starts(make_engine, small_ckpt):
+    """disable_by_batch_size 1: while two requests run nobody drafts; once the short one ends,
+    the long one (many outputs in) does not start drafting, as the draft would have to
+    prefill its whole context. A request alone from its first decode step does draft."""
+    prompts = repeating_prompts(2)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 24)]
+    want = run_engine(make_engine(), prompts, params)
+    engine = make_engine(speculative_config=draft_spec(small_ckpt, disable_by_batch_size=1))
+    got = run_engine(engine, prompts, params)
+    assert [got[i].token_ids for i in range(2)] == [want[i].token_ids for i in range(2)]
+    assert engine.stats().spec_num_draft_tokens == 0
+    assert greedy(engine, prompts[1:]) == [want[1].token_ids]
+    assert engine.stats().spec_num_draft_tokens > 0
+    assert_all_blocks_free(engine)
+
+
 def test_the_draft_runs_its_own_rope_and_rolls_back(small_ckpt, make_checkpoint):
     """Same weights, another rope_theta: the draft proposes its own greedy continuation (an
     engine on the draft checkpoint alone), which the target's RoPE would not give."""

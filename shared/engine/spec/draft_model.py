@@ -106,6 +106,9 @@ class DraftModelProposer:
         self.kv.trim(shadow)
         return shadow
 
+    def tracks(self, request_id: str) -> bool:
+        return request_id in self._shadows
+
     def release(self, request_id: str) -> None:
         """Free a request's draft state (it finished, or the draft's cache ran out)."""
         shadow = self._shadows.pop(request_id, None)
