@@ -111,9 +111,12 @@ class Scheduler:
         drafting = self.drafter is not None and self.drafter.enabled(len(self.running))
         drafts: dict[Request, list[int]] = {}
         room = self._draft_room() if drafting else 0  # draft tokens this step may still take
-        if drafting and room > 0:
-            assert self.drafter is not None
-            self.drafter.prepare([r for r in ordered if r.num_tokens - r.num_computed_tokens == 1])
+        if self.drafter is not None:
+            decodes = [r for r in ordered if r.num_tokens - r.num_computed_tokens == 1]
+            if drafting and room > 0:
+                self.drafter.prepare(decodes)
+            else:
+                self.drafter.pass_over(decodes)
         for req in ordered:
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue

@@ -74,7 +74,7 @@ struct Gemv {
   // y[:, cols] = x @ p.w[cols].T (+ bias); xr is this thread's fp32 scratch (reorder only).
   void run(const Proj& p, const uint16_t* x, int64_t m, float* xr, uint16_t* y, Slice cols) const {
     if (cols.first >= cols.end) return;
-    assert(!p.scales);  // MXFP4 projections go to run_mxfp4
+    assert(!p.scales);  // MXFP4 projections take Plan::project's other branch
     const int64_t k = p.w.size(1), kp = kpad(k);
     if (reorder) {
       if (avx2) {

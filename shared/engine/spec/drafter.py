@@ -11,10 +11,10 @@ speculate (they decode one token per step as before):
 - logprobs (kept exact and simple: one sampled position per step).
 A request whose acceptance stays below min_acceptance_rate over its first acceptance_window
 draft tokens stops speculating for good (it would only pay for verifying rejected tokens).
-With a draft model, a request starts speculating at its first decode step or never: the draft
-learns a request's context by prefilling it (its shadow's catch-up), and a request that starts
-late (it decoded in a batch above disable_by_batch_size until the batch drained) would have
-the draft prefill its prompt and every output so far for the few tokens it has left. At 16
+With a draft model, a request that has decoded a step without drafts (in a batch above
+disable_by_batch_size, or with no room left) never starts: the draft learns a request's
+context by prefilling it (its shadow's catch-up), and a late start would have the draft
+prefill the prompt and every output so far for the few tokens left. At 16
 concurrent grounded asks that catch-up cost 15% of aggregate throughput (AMD Zen 4, MXFP4
 self-draft: 0.85x speculation off), for 64 draft tokens.
 A draft is capped so that the accepted tokens plus the bonus token stay within max_tokens and
@@ -73,6 +73,7 @@ class Drafter:
         self.max_model_len = max_model_len
         self.proposer = proposer
         self._prepared: dict[str, list[int]] = {}  # this step's proposer drafts, by request
+        self._passed: set[str] = set()  # decoded a step without drafting (a proposer's only)
         self.stats = self.new_stats()
         self.max_step_rows = MAX_STEP_ROWS
 
@@ -95,6 +96,14 @@ class Drafter:
             wanted = [(r, self._limit(r, None)) for r in decodes]
             self._prepared = self.proposer.propose_batch([(r, k) for r, k in wanted if k > 0])
 
+    def pass_over(self, decodes: list[Request]) -> None:
+        """A step that does not speculate: with a proposer, these decodes (unless it already
+        tracks them) may never start (module docstring)."""
+        if self.proposer is not None:
+            for r in decodes:
+                if not self.proposer.tracks(r.request_id):
+                    self._passed.add(r.request_id)
+
     def propose(self, request: Request, budget: int | None = None) -> list[int]:
         """Draft tokens for a running decode (num_tokens - num_computed_tokens == 1), at most
         `budget` (the step's room) when given."""
@@ -111,14 +120,14 @@ class Drafter:
         """Draft tokens the request may get now (0: none)."""
         if not can_speculate(request) or self._below_break_even(request):
             return 0
-        if (self.proposer is not None and request.num_output_tokens > 1
-                and not self.proposer.tracks(request.request_id)):
+        if request.request_id in self._passed:
             return 0  # a late start: the draft would prefill the whole context (docstring)
         limit = min(self.config.num_speculative_tokens, self._room(request))
         return limit if budget is None else min(limit, budget)
 
     def release(self, request_id: str) -> None:
         """A request left the engine: its proposer state goes (a draft model's KV)."""
+        self._passed.discard(request_id)
         if self.proposer is not None:
             self.proposer.release(request_id)
 
