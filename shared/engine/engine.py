@@ -86,8 +86,9 @@ class LLMEngine:
         if spec.method is SpeculativeMethod.DRAFT_MODEL:
             from shared.engine.spec.draft_model import build_draft_proposer
 
+            cache = self.runner.kv_cache if isinstance(self.runner, ModelRunner) else None
             return Drafter(spec, self.max_model_len,
-                           build_draft_proposer(self.config, self.tokenizer))
+                           build_draft_proposer(self.config, self.tokenizer, cache))
         return Drafter(spec, self.max_model_len)
 
     @classmethod

@@ -54,6 +54,36 @@ def test_the_target_as_its_own_draft_is_always_accepted(make_engine, small_ckpt)
     assert proposer.kv.num_free_blocks == proposer.kv.num_blocks  # released on finish
 
 
+def _draft_rows(engine: LLMEngine) -> list[int]:
+    """Rows of every pass the engine's draft model runs from now on (the runner's test hook)."""
+    rows: list[int] = []
+    runner = engine.scheduler.drafter.proposer.runner
+    runner.fault_hook = lambda batch: rows.append(sum(batch.num_scheduled_tokens))
+    return rows
+
+
+def test_the_self_draft_starts_from_the_targets_kv(make_engine, small_ckpt, make_checkpoint):
+    """The target's own checkpoint as the draft: a new request's draft starts from a copy of
+    the target's computed KV blocks, so no draft pass prefills the ~100-token prompt (a pass is
+    at most the 2-row catch-up after a fully accepted draft), and every draft is still
+    accepted (fp32: the copied KV is what the draft would have computed). Another checkpoint
+    prefills its draft from the prompt."""
+    prompt = repeating_prompts(3)[2] * 4
+    want = greedy(make_engine(), [prompt])
+    engine = make_engine(speculative_config=draft_spec(small_ckpt, k=3))
+    rows = _draft_rows(engine)
+    assert greedy(engine, [prompt]) == want
+    assert rows and max(rows) <= 2
+    s = engine.stats()
+    assert 0 < s.spec_num_draft_tokens == s.spec_num_accepted_tokens
+    assert_all_blocks_free(engine)
+    other = make_engine(speculative_config=draft_spec(make_checkpoint(**{**SMALL, "seed": 1}),
+                                                      min_acceptance_rate=0.0))
+    other_rows = _draft_rows(other)
+    assert greedy(other, [prompt]) == want
+    assert max(other_rows) >= len(prompt)
+
+
 def test_another_draft_is_lossless(make_engine, make_checkpoint):
     other = make_checkpoint(**{**SMALL, "seed": 1})
     prompts = repeating_prompts(4)

@@ -16,7 +16,12 @@ Request per target request: its tokens follow the target's, its num_computed_tok
 much of them the draft's cache holds. Each proposal first catches the shadow up (the whole
 prompt the first time: in P/D the draft is prefilled on the decode worker, so only the
 target's KV moves and the compat hash is unchanged), then feeds its own greedy tokens K - 1
-times. Rejected drafts are rolled back at the next proposal: the shadow keeps the common
+times. The quantised self-draft skips that first prefill: its checkpoint, and so its cache
+geometry, is the target's, so a new shadow starts from a copy of the KV blocks the target has
+computed (the bf16 target's K/V, as good a context as the draft's own or better; which KV the
+draft reads changes its proposals only, never the verified output). That saves a prefill of the
+whole prompt by the draft on each request's first speculating step (~100 ms for a 150-token
+chat prompt on 2 Zen 4 cores, against ~9 ms per decoded token). Rejected drafts are rolled back at the next proposal: the shadow keeps the common
 prefix of its tokens and the target's, and frees the blocks past it. The drafts of a step's
 requests are computed together (one draft pass per position, a row per request).
 """
@@ -46,8 +51,15 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 class DraftModelProposer:
     """Greedy drafts from a draft model over its own KV cache (engine thread only)."""
 
-    def __init__(self, runner: ModelRunner, block_size: int, max_model_len: int) -> None:
+    def __init__(self, runner: ModelRunner, block_size: int, max_model_len: int,
+                 target_cache: torch.Tensor | None = None) -> None:
         self.runner = runner
+        # The target's paged cache when a new shadow may start from a copy of its blocks
+        # (the self-draft: same checkpoint, hence the same cache layout), else None.
+        assert target_cache is None or (target_cache.shape[:2] == runner.kv_cache.shape[:2]
+                                        and target_cache.shape[3:] == runner.kv_cache.shape[3:]
+                                        and target_cache.dtype == runner.kv_cache.dtype)
+        self.target_cache = target_cache
         # No sliding_window: a shadow rolls back past drafts it allocated for, below where a
         # window drop would have been counted (the draft model's attention still windows).
         self.kv = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching=False)
@@ -94,6 +106,9 @@ class DraftModelProposer:
         if shadow is None:
             shadow = Request(request.request_id, list(request.prompt_token_ids), _GREEDY)
             self._shadows[request.request_id] = shadow
+            for token in request.output_token_ids:
+                shadow.append_output_token(token)
+            self._copy_target_kv(request, shadow)
         mine, theirs = shadow.all_token_ids, request.all_token_ids
         common = shadow.num_prompt_tokens
         limit = min(len(mine), len(theirs))
@@ -106,6 +121,22 @@ class DraftModelProposer:
         self.kv.trim(shadow)
         return shadow
 
+    def _copy_target_kv(self, request: Request, shadow: Request) -> None:
+        """A new shadow of the self-draft: the target's computed KV copied block by block
+        (cache [L, 2, num_blocks, block_size, KVH, D] on both sides). No-op without a target
+        cache, or when the target's table lacks blocks (a sliding window dropped them) or
+        the draft's cache is short (the shadow then catches up by prefilling, as others do)."""
+        n = request.num_computed_tokens
+        blocks = self.kv.blocks_needed(n)
+        if self.target_cache is None or n == 0 or len(request.block_table) < blocks:
+            return
+        if not self.kv.allocate_slots(shadow, n):
+            return
+        src = torch.tensor(request.block_table[:blocks])
+        dst = torch.tensor(shadow.block_table[:blocks])
+        self.runner.kv_cache.index_copy_(2, dst, self.target_cache.index_select(2, src))
+        shadow.num_computed_tokens = n
+
     def tracks(self, request_id: str) -> bool:
         return request_id in self._shadows
 
@@ -116,8 +147,11 @@ class DraftModelProposer:
             self.kv.free(shadow)
 
 
-def build_draft_proposer(config: EngineConfig, tokenizer: Tokenizer) -> DraftModelProposer:
-    """Load config.speculative_config's draft model (its own config) and check its tokenizer."""
+def build_draft_proposer(config: EngineConfig, tokenizer: Tokenizer,
+                         target_cache: torch.Tensor | None = None) -> DraftModelProposer:
+    """Load config.speculative_config's draft model (its own config) and check its tokenizer.
+    target_cache: the target's paged KV cache; a self-draft (the target's own checkpoint)
+    starts each request from a copy of its blocks (module docstring)."""
     from shared.engine.accelerate import accelerate
     from shared.model.loader import load_model
     from shared.model.quant import QuantConfig
@@ -146,7 +180,15 @@ def build_draft_proposer(config: EngineConfig, tokenizer: Tokenizer) -> DraftMod
              "< %d", spec.model, spec.quantization or config.dtype, draft_config.num_layers,
              draft_config.rope, runner.num_blocks, vocab)
     limit = min(draft_config.max_position_embeddings, runner.num_blocks * config.block_size)
-    return DraftModelProposer(runner, config.block_size, limit)
+    own = resolve_model(config.model, config.resolved_cache_dir, revision=config.revision,
+                        hub_cache=config.hf_hub_cache)
+    same_layout = (target_cache is not None and own == draft_dir
+                   and draft_config.kv_window is None
+                   and target_cache.shape[:2] == runner.kv_cache.shape[:2]
+                   and target_cache.shape[3:] == runner.kv_cache.shape[3:]
+                   and target_cache.dtype == runner.kv_cache.dtype)
+    return DraftModelProposer(runner, config.block_size, limit,
+                              target_cache if same_layout else None)
 
 
 @torch.no_grad()
