@@ -111,11 +111,12 @@ class Scheduler:
         drafting = self.drafter is not None and self.drafter.enabled(len(self.running))
         drafts: dict[Request, list[int]] = {}
         room = self._draft_room() if drafting else 0  # draft tokens this step may still take
-        if self.drafter is not None:
+        speculating = drafting and room > 0
+        if self.drafter is not None and (speculating or self.drafter.proposer is not None):
             decodes = [r for r in ordered if r.num_tokens - r.num_computed_tokens == 1]
-            if drafting and room > 0:
+            if speculating:
                 self.drafter.prepare(decodes)
-            else:
+            else:  # only a proposer (draft model) keeps track of who was passed over
                 self.drafter.pass_over(decodes)
         for req in ordered:
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop

@@ -14,16 +14,17 @@ the kernels are swapped in, so the draft scores and drafts token ids < N only.
 The draft has its own paged KV cache (the engine's kv_cache_memory_bytes again) and a shadow
 Request per target request: its tokens follow the target's, its num_computed_tokens says how
 much of them the draft's cache holds. Each proposal first catches the shadow up (the whole
-prompt the first time: in P/D the draft is prefilled on the decode worker, so only the
-target's KV moves and the compat hash is unchanged), then feeds its own greedy tokens K - 1
-times. The quantised self-draft skips that first prefill: its checkpoint, and so its cache
-geometry, is the target's, so a new shadow starts from a copy of the KV blocks the target has
-computed (the bf16 target's K/V, as good a context as the draft's own or better; which KV the
-draft reads changes its proposals only, never the verified output). That saves a prefill of the
-whole prompt by the draft on each request's first speculating step (~100 ms for a 150-token
-chat prompt on 2 Zen 4 cores, against ~9 ms per decoded token). Rejected drafts are rolled back at the next proposal: the shadow keeps the common
-prefix of its tokens and the target's, and frees the blocks past it. The drafts of a step's
-requests are computed together (one draft pass per position, a row per request).
+prompt the first time: in P/D the draft is prefilled on the decode worker, so only the target's
+KV moves and the compat hash is unchanged), then feeds its own greedy tokens K - 1 times. The
+quantised self-draft skips that first prefill: its checkpoint, and so its cache geometry, is
+the target's, so a new shadow starts from a copy of the KV blocks the target has computed (the
+bf16 target's K/V, as good a context as the draft's own or better; which KV the draft reads
+changes its proposals only, never the verified output). That saves a prefill of the whole
+prompt by the draft on each request's first speculating step (~100 ms for a 150-token chat
+prompt on 2 Zen 4 cores, against ~9 ms per decoded token). Rejected drafts are rolled back at
+the next proposal: the shadow keeps the common prefix of its tokens and the target's, and frees
+the blocks past it. The drafts of a step's requests are computed together (one draft pass per
+position, a row per request).
 """
 
 from __future__ import annotations
@@ -56,9 +57,7 @@ class DraftModelProposer:
         self.runner = runner
         # The target's paged cache when a new shadow may start from a copy of its blocks
         # (the self-draft: same checkpoint, hence the same cache layout), else None.
-        assert target_cache is None or (target_cache.shape[:2] == runner.kv_cache.shape[:2]
-                                        and target_cache.shape[3:] == runner.kv_cache.shape[3:]
-                                        and target_cache.dtype == runner.kv_cache.dtype)
+        assert target_cache is None or same_block_layout(target_cache, runner.kv_cache)
         self.target_cache = target_cache
         # No sliding_window: a shadow rolls back past drafts it allocated for, below where a
         # window drop would have been counted (the draft model's attention still windows).
@@ -106,6 +105,7 @@ class DraftModelProposer:
         if shadow is None:
             shadow = Request(request.request_id, list(request.prompt_token_ids), _GREEDY)
             self._shadows[request.request_id] = shadow
+            # All the tokens first: the KV copy marks up to the target's computed ones done.
             for token in request.output_token_ids:
                 shadow.append_output_token(token)
             self._copy_target_kv(request, shadow)
@@ -182,13 +182,16 @@ def build_draft_proposer(config: EngineConfig, tokenizer: Tokenizer,
     limit = min(draft_config.max_position_embeddings, runner.num_blocks * config.block_size)
     own = resolve_model(config.model, config.resolved_cache_dir, revision=config.revision,
                         hub_cache=config.hf_hub_cache)
-    same_layout = (target_cache is not None and own == draft_dir
-                   and draft_config.kv_window is None
-                   and target_cache.shape[:2] == runner.kv_cache.shape[:2]
-                   and target_cache.shape[3:] == runner.kv_cache.shape[3:]
-                   and target_cache.dtype == runner.kv_cache.dtype)
-    return DraftModelProposer(runner, config.block_size, limit,
-                              target_cache if same_layout else None)
+    copy_from = (target_cache if target_cache is not None and own == draft_dir
+                 and draft_config.kv_window is None
+                 and same_block_layout(target_cache, runner.kv_cache) else None)
+    return DraftModelProposer(runner, config.block_size, limit, copy_from)
+
+
+def same_block_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether blocks of paged cache a ([L, 2, num_blocks, block_size, KVH, D]) copy into b:
+    every dim but the number of blocks, and the dtype, agree."""
+    return a.shape[:2] == b.shape[:2] and a.shape[3:] == b.shape[3:] and a.dtype == b.dtype
 
 
 @torch.no_grad()

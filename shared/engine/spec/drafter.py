@@ -97,12 +97,11 @@ class Drafter:
             self._prepared = self.proposer.propose_batch([(r, k) for r, k in wanted if k > 0])
 
     def pass_over(self, decodes: list[Request]) -> None:
-        """A step that does not speculate: with a proposer, these decodes (unless it already
-        tracks them) may never start (module docstring)."""
-        if self.proposer is not None:
-            for r in decodes:
-                if not self.proposer.tracks(r.request_id):
-                    self._passed.add(r.request_id)
+        """A step that does not speculate (with a proposer): these decodes, unless it already
+        tracks them, may never start (module docstring)."""
+        assert self.proposer is not None
+        self._passed.update(r.request_id for r in decodes
+                            if not self.proposer.tracks(r.request_id))
 
     def propose(self, request: Request, budget: int | None = None) -> list[int]:
         """Draft tokens for a running decode (num_tokens - num_computed_tokens == 1), at most
