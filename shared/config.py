@@ -148,6 +148,9 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     # Speculative decoding (None: off). A JSON string or a mapping is parsed here, once.
     speculative_config: SpeculativeConfig | None = None
+    # A core ledger shared with sibling engines on this host (shared/engine/core_share.py):
+    # each step runs on num_threads plus the threads of the siblings idle at that moment.
+    core_share: Path | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kernel_tier", parse_kernel_tier(self.kernel_tier))

@@ -9,6 +9,7 @@ import shlex
 import socket
 import sys
 from collections.abc import MutableMapping
+from pathlib import Path
 from typing import Any
 
 HELP = ("Start a router and N prefill + N decode workers on loopback, restarting any that "
@@ -33,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per worker (default: cores / workers)")
+    parser.add_argument("--no-core-share", action="store_true",
+                        help="keep each worker on its own --threads: by default the workers "
+                             "share one core ledger and a busy worker runs on the threads of "
+                             "an idle one too (shared/engine/core_share.py)")
     parser.add_argument("--ready-timeout", type=float, default=900.0,
                         help="seconds to wait for the mesh to become healthy")
     parser.add_argument("--grace", type=float, default=10.0,
@@ -121,6 +126,8 @@ def worker_flags(role: str, args: argparse.Namespace, port: int, kv_port: int,
         flags += ["--kernel-tier", args.kernel_tier]
     if getattr(args, "revision", None):
         flags += ["--revision", args.revision]
+    if getattr(args, "core_share_file", None):
+        flags += ["--core-share", str(args.core_share_file)]
     if getattr(args, "speculative_config", None) and role != "prefill":
         flags += ["--speculative-config", args.speculative_config]
     from services.worker.parsers_config import forwarded_flags
@@ -237,13 +244,29 @@ def run(args: argparse.Namespace) -> int:
         kernel_tier_from_env(os.environ)  # the workers inherit it: refuse a bad one up front
         SpeculativeConfig.parse(args.speculative_config)  # likewise, before any worker starts
         ParsersConfig.from_args(args, os.environ)  # likewise (and not a reason to go mixed)
+        if not getattr(args, "no_core_share", False):
+            args.core_share_file = core_share_file()
         specs, url = plan(args, os.cpu_count() or 1)
         ssl_context = tls.from_args(args).client_context() if args.tls_cert else None
         policy = RestartPolicy(initial_s=args.restart_delay, max_s=args.restart_max_delay)
     except (ValueError, RuntimeError) as exc:
         print(f"pdmesh up: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_up(specs, url, args, policy, ssl_context))
+    try:
+        return asyncio.run(_up(specs, url, args, policy, ssl_context))
+    finally:
+        if getattr(args, "core_share_file", None):
+            args.core_share_file.unlink(missing_ok=True)
+
+
+def core_share_file() -> Path:
+    """A fresh path for the workers' core ledger: in /dev/shm where there is one (memory, not
+    disk: every step reads it), else the temp folder. The first worker creates the file."""
+    import os
+    import tempfile
+
+    folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return folder / f"pdmesh-cores-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 async def _up(specs: list, url: str, args: argparse.Namespace, policy: Any,

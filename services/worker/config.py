@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 
 from kernels.tier import TIER_CHOICES
 from services.common import tls
@@ -210,6 +211,7 @@ def _engine_config(args: argparse.Namespace, environ: Mapping[str, str],
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         num_threads=args.threads,
+        core_share=getattr(args, "core_share", None),
         quantization=args.quantization,
         quantize_lm_head=args.quantize_lm_head,
         quant_encoder=args.quant_encoder,
@@ -289,6 +291,10 @@ def _add_engine_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> N
     eng.add_argument("--no-prefix-caching", action="store_true")
     eng.add_argument("--no-chunked-prefill", action="store_true")
     eng.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    eng.add_argument("--core-share", type=Path, default=None, metavar="FILE",
+                     help="a core ledger shared with sibling workers on this host (`pdmesh up` "
+                          "makes one): each step runs on --threads plus the threads of the "
+                          "siblings idle at that moment")
     eng.add_argument("--quantization", default=None, choices=["mxfp4"])
     eng.add_argument("--quantize-lm-head", action="store_true",
                      help="with --quantization: the (tied) LM head too (faster decode, higher "

@@ -40,7 +40,9 @@ class EngineStatsCollector(Collector):
         g = [GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"]) for name, doc in (
             ("num_requests_running", "Number of requests in model execution batches."),
             ("num_requests_waiting", "Number of requests waiting to be processed."),
-            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."))]
+            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+            ("engine_threads", "Threads the engine's last step ran on (with a core share: its "
+                               "own plus those lent by idle sibling workers)."))]
         c = [CounterMetricFamily(PREFIX + name, doc, labels=["model_name"]) for name, doc in (
             ("num_preemptions", "Cumulative number of preemptions from the engine."),
             ("prefix_cache_queries", "Prefix-cache queries, in tokens."),
@@ -49,7 +51,9 @@ class EngineStatsCollector(Collector):
                                   "infinite logits."),
             ("spec_decode_num_drafts", "Speculative drafts proposed (a request in a step)."),
             ("spec_decode_num_draft_tokens", "Speculative draft tokens proposed."),
-            ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."))]
+            ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."),
+            ("engine_borrowed_thread_steps", "Engine steps that ran on threads lent by an idle "
+                                             "sibling worker (core share)."))]
         return g + c
 
     def describe(self) -> Iterator[Metric]:
@@ -61,9 +65,10 @@ class EngineStatsCollector(Collector):
             return
         s = engine.stats()
         families = self._families()
-        values = (s.num_running, s.num_waiting, s.kv_usage, s.num_preemptions,
+        values = (s.num_running, s.num_waiting, s.kv_usage, s.num_threads, s.num_preemptions,
                   s.prefix_cache_queries, s.prefix_cache_hits, s.num_non_finite_logits,
-                  s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens)
+                  s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens,
+                  s.num_borrowed_thread_steps)
         for family, value in zip(families, values, strict=True):
             family.add_metric([self._model], float(value))
             yield family

@@ -137,6 +137,8 @@ class AsyncEngine:
             self._cond.notify()
         await asyncio.to_thread(thread.join)
         self._thread = None
+        if self.engine is not None:
+            self.engine.close()
 
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:

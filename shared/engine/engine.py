@@ -19,6 +19,7 @@ import torch
 from shared.config import EngineConfig
 from shared.engine.accelerate import accelerate
 from shared.engine.block_manager import KVCacheManager
+from shared.engine.core_share import CoreShare
 from shared.engine.grammar import GrammarCompiler
 from shared.engine.kv_stream import KVProgress, KVStreamTracker
 from shared.engine.output_processor import OutputProcessor
@@ -77,6 +78,9 @@ class LLMEngine:
         # Structured output: grammars compiled against this tokenizer (thread-safe cache).
         self.grammars = GrammarCompiler(tokenizer, self.eos_token_ids, config.grammar_cache_size)
         self.last_num_scheduled_tokens = 0
+        self.cores = (CoreShare(config.core_share, config.num_threads or torch.get_num_threads())
+                      if config.core_share is not None else None)
+        self._threads = torch.get_num_threads()
         self._pending: list[RequestOutput] = []  # outputs produced between steps
 
     def _drafter(self) -> Drafter | None:
@@ -268,9 +272,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         self.last_num_scheduled_tokens = batch.total_num_scheduled_tokens
         if batch.is_empty:
+            self._lend_cores()
             return outputs
         # An engine built on another runner (a pipeline stage) has its own step().
         assert isinstance(self.runner, ModelRunner)
+        self._borrow_cores()
         result = self.runner.execute(batch)
         for i in result.non_finite:  # that request fails (before its blocks get cached)
             self.abort_request(batch.requests[i].request_id, RequestStatus.FINISHED_ERROR,
@@ -282,7 +288,27 @@ class LLMEngine:
                 self.scheduler.finish_request(req.request_id, req.status)
         if self.kv_stream is not None:
             self.kv_stream.collect(batch.requests)
+        if not self.has_work():
+            self._lend_cores()
         return outputs
+
+    def _borrow_cores(self) -> None:
+        """Run the coming step on our threads plus those of idle sibling engines."""
+        if self.cores is None:
+            return
+        threads = self.cores.claim()
+        if threads != self._threads:  # per thread: the engine thread runs every step
+            torch.set_num_threads(threads)
+            self._threads = threads
+
+    def _lend_cores(self) -> None:
+        if self.cores is not None:
+            self.cores.release()
+
+    def close(self) -> None:
+        """Give back what outlives the object: this engine's slot in a core share."""
+        if self.cores is not None:
+            self.cores.close()
 
     def activate_structured(self, request_id: str) -> bool:
         """The request's reasoning ended: its grammar applies from its next token on (for
@@ -329,7 +355,9 @@ class LLMEngine:
             kv_cache_bytes=runner.kv_cache.nbytes if runner else 0,
             spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
-            spec_accepted_per_position=tuple(spec.accepted_per_position))
+            spec_accepted_per_position=tuple(spec.accepted_per_position),
+            num_threads=self._threads,
+            num_borrowed_thread_steps=self.cores.borrowed_steps if self.cores else 0)
 
     def warmup(self) -> None:
         """Run one short request through every component, then forget it (cache, counters)."""

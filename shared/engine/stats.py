@@ -37,3 +37,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()  # [i]: drafts whose token i was accepted
+    # Threads of the last step, and steps that ran on threads an idle sibling engine lent
+    # (shared/engine/core_share.py; 0 where the engine shares no cores).
+    num_threads: int = 0
+    num_borrowed_thread_steps: int = 0

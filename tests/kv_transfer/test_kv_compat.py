@@ -136,6 +136,8 @@ KV_NEUTRAL = {  # field -> another value that must leave the hash alone
     # is the target's either way (a decode writes its drafts' KV into its own cache and rolls
     # rejected ones back locally; a draft model is prefilled there from the prompt tokens).
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 4},
+    # Threads lent between sibling workers change the speed of a step, not its KV.
+    "core_share": Path("/dev/shm/pdmesh-cores-test"),
 }
 
 

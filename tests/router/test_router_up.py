@@ -108,10 +108,15 @@ def test_up_on_the_embedded_model_answers_a_chat_and_stops_clean():
         answer = _chat(port, "What is the capital of France?", 24, "smollm2-135m-instruct")
         assert "Paris" in answer
         _check_sdk_parse(port)  # structured output through P/D, as an agent client asks it
+        from services.commands.up import core_share_file
+
+        ledgers = list(core_share_file().parent.glob(f"pdmesh-cores-{proc.pid}-*"))
+        assert len(ledgers) == 1  # the workers' shared core ledger
     except BaseException:
         proc.kill()
         raise
     _stop(proc, signal.SIGINT, pids)
+    assert not ledgers[0].exists()  # up removes it
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -268,3 +273,31 @@ def test_worker_arg_reaches_every_worker_and_router_arg_the_router():
     assert "--upstream-keepalive-seconds=3" in router.argv
     assert all("--kv-keepalive-seconds=2" in w.argv and "--upstream-keepalive-seconds=3"
                not in w.argv for w in workers) and len(workers) == 2
+
+
+def test_up_gives_every_worker_one_core_ledger_unless_told_not_to(tmp_path):
+    """The workers on up's box share a core ledger (shared/engine/core_share.py); each parses
+    it into its EngineConfig. `--no-core-share` leaves them on their own threads."""
+    import argparse
+
+    from services.commands import serve, up
+    from services.worker.config import WorkerConfig
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    worker = argparse.ArgumentParser()
+    serve.add_arguments(worker)
+    args = parser.parse_args(["--model", "m", "--serve-cmd", "serve"])
+    args.core_share_file = up.core_share_file()
+    assert not args.core_share_file.exists()  # made by the first worker, removed by up
+    _, *workers = up.plan(args, 2)[0]
+    for w in workers:
+        flags = list(w.argv[1:])
+        assert flags[flags.index("--core-share") + 1] == str(args.core_share_file)
+        config = WorkerConfig.from_args(worker.parse_args(flags), {})
+        assert config.engine.core_share == args.core_share_file
+        assert config.engine.num_threads == 1
+    assert parser.parse_args(["--no-core-share"]).no_core_share
+    args.core_share_file = None  # what run() leaves with --no-core-share
+    _, *plain = up.plan(args, 2)[0]
+    assert len(plain) == 2 and all("--core-share" not in w.argv for w in plain)

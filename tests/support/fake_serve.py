@@ -13,7 +13,7 @@ from tests.support.fake_worker import FakeWorker
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    for flag in ("--model", "--role", "--transfer-mode", "--host", "--log-level"):
+    for flag in ("--model", "--role", "--transfer-mode", "--host", "--log-level", "--core-share"):
         parser.add_argument(flag)
     for flag in ("--port", "--kv-port", "--threads"):
         parser.add_argument(flag, type=int)

@@ -82,3 +82,20 @@ def test_spec_decode_counters_under_vllm_names() -> None:
     assert got["pdmesh:spec_decode_num_accepted_tokens_total", None] == 7
     per_pos = "pdmesh:spec_decode_num_accepted_tokens_per_pos_total"
     assert [got[per_pos, str(i)] for i in range(3)] == [3, 3, 1]
+
+
+def test_lent_threads_are_on_metrics() -> None:
+    """A worker in a core share (shared/engine/core_share.py) shows the threads its last step
+    ran on and how many steps ran on threads a sibling lent."""
+    from services.worker.metrics import EngineStatsCollector
+    from shared.engine.stats import EngineStats
+
+    class Engine:
+        def stats(self) -> EngineStats:
+            return EngineStats(1, 0, 8, 8, 0.0, 0, 0, 0, 16, 0, num_threads=2,
+                               num_borrowed_thread_steps=5)
+
+    collector = EngineStatsCollector(lambda: Engine(), MODEL)  # type: ignore[arg-type,return-value]
+    got = {s.name: s.value for family in collector.collect() for s in family.samples}
+    assert got["pdmesh:engine_threads"] == 2
+    assert got["pdmesh:engine_borrowed_thread_steps_total"] == 5
