@@ -21,6 +21,7 @@ What equality means, per op (the same on every tier):
 
 from __future__ import annotations
 
+import threading
 from functools import cache, partial
 from pathlib import Path
 
@@ -294,6 +295,33 @@ def test_threads_do_not_change_results(native: NativeDecoder, arch: str, packed:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bf16", "mxfp4"])
+def test_the_team_in_a_serving_thread_equals_the_main_thread(
+        native: NativeDecoder, packed: bool, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A server decodes on its engine thread while other threads (the loader, KV transfer)
+    have run parallel torch ops and left OpenMP pools behind. libgomp then barely spins at its
+    own barriers, so the team synchronises with its own (csrc/decode_team.cpp, TeamBarrier):
+    with two OpenMP pools alive, a team on a second thread gives the main thread's logits."""
+    model = _small_model(native, "llama", packed, tmp_path_factory.getbasetemp())
+    assert model.use_native(native) == model.num_local_layers
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        main = _run(model, SMALL_STEPS)
+        results: dict[str, torch.Tensor] = {}
+
+        def other_pool() -> None:  # a parallel op here gives this thread a pool of its own
+            torch.randn(1 << 20).exp_()
+            results["other"] = _run(model, SMALL_STEPS)
+
+        worker = threading.Thread(target=other_pool)
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results["other"], main)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["bf16", "mxfp4"])
