@@ -152,11 +152,6 @@ void check_team_block(const Block& w, int64_t hidden, const at::Tensor& kv,
   }
 }
 
-// Buffers the team shares (written by slices, read whole after a barrier).
-struct Shared {
-  std::vector<uint16_t> qkv, q, attn, gu, y;
-};
-
 // The team's barrier. Not `#pragma omp barrier`: libgomp spins only ~100 times at a barrier
 // once the process has more OpenMP threads than CPUs in all (any second thread that ever ran a
 // parallel torch op, e.g. a loader or KV-transfer thread, leaves its pool behind), and then
@@ -168,14 +163,16 @@ struct Shared {
 class TeamBarrier {
  public:
   void wait(int team) {
-    const int generation = generation_.load(std::memory_order_acquire);
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == team - 1) {
-      // Reset before the release: a thread passing this barrier sees 0 at the next one.
-      arrived_.store(0, std::memory_order_relaxed);
-      generation_.store(generation + 1, std::memory_order_release);
+    // One word, one cache line: arrivals in the low 8 bits, the generation above them. The
+    // last arrival turns `team` arrivals into the next generation with no arrival.
+    const uint32_t arrived = state_.fetch_add(1, std::memory_order_acq_rel) + 1;
+    if (static_cast<int>(arrived & kArrivalMask) == team) {
+      state_.fetch_add(kGeneration - static_cast<uint32_t>(team), std::memory_order_release);
       return;
     }
-    for (int64_t turn = 0; generation_.load(std::memory_order_acquire) == generation; ++turn) {
+    const uint32_t generation = arrived >> kArrivalBits;
+    for (int64_t turn = 0; (state_.load(std::memory_order_acquire) >> kArrivalBits) == generation;
+         ++turn) {
       if (turn < kSpinsBeforeYield) {
         _mm_pause();
       } else {
@@ -185,9 +182,17 @@ class TeamBarrier {
   }
 
  private:
+  static constexpr int kArrivalBits = 8;  // teams of up to 255 threads
+  static constexpr uint32_t kArrivalMask = (1u << kArrivalBits) - 1;
+  static constexpr uint32_t kGeneration = 1u << kArrivalBits;
   static constexpr int64_t kSpinsBeforeYield = 1 << 16;
-  alignas(64) std::atomic<int> arrived_{0};
-  alignas(64) std::atomic<int> generation_{0};
+  alignas(64) std::atomic<uint32_t> state_{0};
+};
+
+// Buffers the team shares (written by slices, read whole after a barrier), and its barrier.
+struct Shared {
+  std::vector<uint16_t> qkv, q, attn, gu, y;
+  TeamBarrier barrier;
 };
 
 // One thread's private buffers.
@@ -229,8 +234,7 @@ struct Plan {
 };
 
 // Layer i's six phases on thread tid of team (see the file comment).
-void run_layer(const Plan& p, int64_t i, Shared& sh, Private& pv, TeamBarrier& barrier, int tid,
-               int team) {
+void run_layer(const Plan& p, int64_t i, Shared& sh, Private& pv, int tid, int team) {
   const Block& w = p.blocks[i];
   const int64_t m = p.rows, hidden = p.hidden, inter = p.inter;
   const Slice qkv_cols = split(p.qkv_n, kGroup, tid, team);
@@ -241,29 +245,29 @@ void run_layer(const Plan& p, int64_t i, Shared& sh, Private& pv, TeamBarrier& b
   p.k.rms_norm(p.h, bits(w.ln1), hidden, p.g.eps, pv.xn.data(), 0, m);
   p.project(w.qkv, pv.xn.data(), pv, sh.qkv.data(), qkv_cols);
   prefetch(w.o, o_cols);
-  barrier.wait(team);
+  sh.barrier.wait(team);
   const Slice rows = split(m, 1, tid, team);
   if (rows.first < rows.end) {
     p.k.rope_store(sh.qkv.data(), p.cos_sin, p.s.args, c, sh.q.data(), rows.first, rows.end);
   }
-  barrier.wait(team);
+  sh.barrier.wait(team);
   const Slice items = split(m * p.g.kv_heads, 1, tid, team);
   if (items.first < items.end) {
     p.k.attend(sh.q.data(), p.s.args, c, static_cast<float>(p.g.scale), sh.attn.data(),
                pv.scratch.data(), pv.offsets.data(), items.first, items.end);
   }
-  barrier.wait(team);
+  sh.barrier.wait(team);
   p.project(w.o, sh.attn.data(), pv, sh.y.data(), o_cols);
   for (int64_t r = 0; r < m && o_cols.first < o_cols.end; ++r) {
     p.k.add_inplace(p.h + r * hidden + o_cols.first, sh.y.data() + r * hidden + o_cols.first,
                     o_cols.end - o_cols.first);
   }
   prefetch(w.gate_up, gu_cols);
-  barrier.wait(team);
+  sh.barrier.wait(team);
   p.k.rms_norm(p.h, bits(w.ln2), hidden, p.g.eps, pv.xn.data(), 0, m);
   p.project(w.gate_up, pv.xn.data(), pv, sh.gu.data(), gu_cols);
   prefetch(w.down, o_cols);
-  barrier.wait(team);
+  sh.barrier.wait(team);
   p.k.silu_mul(sh.gu.data(), inter, pv.act.data(), 0, m);
   p.project(w.down, pv.act.data(), pv, sh.y.data(), o_cols);
   for (int64_t r = 0; r < m && o_cols.first < o_cols.end; ++r) {
@@ -273,7 +277,7 @@ void run_layer(const Plan& p, int64_t i, Shared& sh, Private& pv, TeamBarrier& b
   if (i + 1 < static_cast<int64_t>(p.blocks.size())) {
     prefetch(p.blocks[i + 1].qkv, split(p.qkv_n, kGroup, tid, team));
   }
-  barrier.wait(team);
+  sh.barrier.wait(team);
 }
 
 }  // namespace
@@ -313,7 +317,6 @@ void decode_team(at::Tensor& h, at::Tensor& kv_cache, const at::Tensor& cos_sin,
       mx_y = std::max(mx_y, m * p->out_features());  // any team size: a slice is at most n
     }
   }
-  TeamBarrier barrier;
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
@@ -323,7 +326,7 @@ void decode_team(at::Tensor& h, at::Tensor& kv_cache, const at::Tensor& cos_sin,
                std::vector<int64_t>(s.max_context),
                std::vector<uint64_t>((mx_x_bytes + 7) / 8), std::vector<float>(mx_y)};
     for (int64_t i = 0; i < static_cast<int64_t>(blocks.size()); ++i) {
-      run_layer(plan, i, sh, pv, barrier, tid, team);
+      run_layer(plan, i, sh, pv, tid, team);
     }
   }
 }
