@@ -3,15 +3,15 @@
     .venv/bin/python benchmarks/engine_thread.py [--threads 2] [--tokens 160] [--rounds 2]
         [--reps 3] [--quantization mxfp4] [--json OUT.json]
 
-A worker decodes on its engine thread (shared/engine/async_engine.py), while its loader and
-its KV-transfer threads have run parallel torch ops too. Every such thread keeps an OpenMP
+A worker decodes on its engine thread (shared/engine/async_engine.py), while other threads
+(KV transfer's digests; before 2026-12-06, the model loader) run parallel torch ops too. Every such thread keeps an OpenMP
 pool, and once a process has more OpenMP threads than CPUs libgomp stops spinning at its
 barriers: a waiter sleeps on a futex and the last arrival wakes it. The decode team crosses
 ~180 barriers a step, so it has its own spinning barrier (kernels/dense/csrc/decode_team.cpp).
 This script shows what the serving thread gets: single-stream decode tok/s of one LLMEngine
 stepped on the main thread (the only OpenMP master, as an offline script has it) and through
-an AsyncEngine (loaded by a helper thread, stepped on its engine thread, as `pdmesh serve`
-runs it), each in fresh processes alternating ABBA, and the ratio.
+an AsyncEngine (stepped on its engine thread, as `pdmesh serve` runs it), each in fresh
+processes alternating ABBA, and the ratio.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ async def engine_thread_rate(engine: AsyncEngine, tokens: int, rid: str) -> floa
 
 def side(args: argparse.Namespace) -> list[float]:
     """One process's rates: `main` steps an LLMEngine on the main thread (its only OpenMP
-    master); `engine` runs an AsyncEngine (loaded on a helper thread, stepped on its engine
-    thread, as `pdmesh serve` runs it)."""
+    master); `engine` runs an AsyncEngine (its engine thread loads, warms up and steps it,
+    as `pdmesh serve` runs it)."""
     config = EngineConfig(dtype="bfloat16", num_threads=args.threads,
                           quantization=args.quantization, enable_prefix_caching=False)
     if args.side == "main":

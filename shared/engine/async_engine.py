@@ -88,6 +88,7 @@ class AsyncEngine:
         self._commands: deque[Callable[[LLMEngine], None]] = deque()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._running = threading.Event()  # set by start() once the engine is published
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._stats: EngineStats | None = None
@@ -107,22 +108,33 @@ class AsyncEngine:
 
     # ---- life cycle ------------------------------------------------------------------------
     async def start(self, engine: LLMEngine | None = None) -> None:
-        """Load the model off the event loop (or adopt a built `engine`), warm up, start."""
+        """Load the model (or adopt a built `engine`), warm up, start: all on the engine
+        thread, which keeps the process's torch work on one thread. Every thread that runs a
+        parallel torch op keeps an OpenMP pool, and libgomp stops spinning at its barriers
+        (the per-op regions of a step then sleep and wake) once the pools' threads outnumber
+        the CPUs; see kernels/dense/csrc/decode_team.cpp."""
         if self._thread is not None:
             raise RuntimeError("engine already started")
-        if engine is None:
-            engine = await asyncio.to_thread(LLMEngine.from_config, self.config)
-        await asyncio.to_thread(engine.warmup)
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._running.clear()
+        built: asyncio.Future[LLMEngine] = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, args=(engine, built),
+                                        name="pdmesh-engine", daemon=True)
+        self._thread.start()
+        try:
+            engine = await built
+        except BaseException:  # a load or warm-up failure (the thread has ended), or a cancel
+            self._running.set()  # not RUNNING: a load that was cancelled ends once built
+            self._thread = None
+            raise
         self.engine, self.tokenizer, self.model_config = engine, engine.tokenizer, engine.model_config
         self.model_dir, self.fingerprint = engine.model_dir, engine.fingerprint
         self.max_model_len = engine.max_model_len
         self.engine_id = uuid.uuid4().hex
         self._stats = engine.stats()
-        self._loop = asyncio.get_running_loop()
-        self._stopping = False
         self.state, self.failure = EngineState.RUNNING, None
-        self._thread = threading.Thread(target=self._run, name="pdmesh-engine", daemon=True)
-        self._thread.start()
+        self._running.set()
 
     async def shutdown(self) -> None:
         """Abort everything (consumers get ABORT outputs) and stop the thread."""
@@ -141,9 +153,18 @@ class AsyncEngine:
             self.engine.close()
 
     # ---- the engine thread -----------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        assert engine is not None
+    def _run(self, engine: LLMEngine | None, built: asyncio.Future[LLMEngine]) -> None:
+        try:
+            if engine is None:
+                engine = LLMEngine.from_config(self.config)
+            engine.warmup()
+        except BaseException as exc:  # noqa: BLE001 - start() raises it
+            self._post(_settle, built, None, exc)
+            return
+        self._post(_settle, built, engine, None)
+        self._running.wait()  # start() has published the engine (or given up on it)
+        if self.state is not EngineState.RUNNING:  # start() was cancelled
+            return
         try:
             self._steps(engine)
         except BaseException as exc:  # noqa: BLE001 - any failure must reach the consumers
