@@ -164,3 +164,38 @@ async def test_shutdown_aborts_streams_and_refuses_new_work(small_ckpt):
     await eng.start()  # a restart reloads and gets a new id
     assert eng.healthy and eng.engine_id != first_id
     await eng.shutdown()
+
+
+async def test_the_engine_thread_loads_the_model_and_a_failed_or_cancelled_start_ends_it(
+        small_ckpt, tmp_path):
+    """start() loads and warms up on the engine thread (one OpenMP pool: see
+    kernels/dense/csrc/decode_team.cpp). A load that fails raises from start() and leaves no
+    thread; a start() cancelled mid-load leaves none running once the load is done; either
+    way a later start() works."""
+    import threading
+
+    config = EngineConfig(model=str(small_ckpt), kv_cache_memory_bytes=8 << 20, num_threads=1)
+    bad = AsyncEngine(EngineConfig(model=str(tmp_path / "missing"), num_threads=1))
+    with pytest.raises(Exception, match="missing"):
+        await bad.start()
+    assert not bad.healthy and bad._thread is None
+
+    eng = AsyncEngine(config)
+    before = {t.ident for t in threading.enumerate()}
+    task = asyncio.create_task(eng.start())
+    await wait_for(lambda: eng._thread is not None)
+    loading = eng._thread
+    assert loading is not None and loading.ident not in before  # the load runs there
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.to_thread(loading.join, 60)
+    assert not loading.is_alive() and not eng.healthy
+    await eng.start()
+    try:
+        assert eng.healthy
+        assert eng._thread is not None and eng._thread.name == "pdmesh-engine"
+        outs = await collect(eng, "after", PROMPTS[0], GREEDY)
+        assert outs[-1].finish_reason == FinishReason.LENGTH
+    finally:
+        await eng.shutdown()
