@@ -164,6 +164,7 @@ class AsyncEngine:
         self._post(_settle, built, engine, None)
         self._running.wait()  # start() has published the engine (or given up on it)
         if self.state is not EngineState.RUNNING:  # start() was cancelled
+            engine.close()
             return
         try:
             self._steps(engine)

@@ -71,7 +71,6 @@ class CoreShare:
         finally:
             os.close(fd)  # the mapping keeps the file
         self._busy = False
-        self.threads = base_threads
         self.borrowed_steps = 0  # steps run on more threads than our own share
 
     def _take_slot(self) -> int:
@@ -102,10 +101,10 @@ class CoreShare:
         """Mark this engine busy (first, so a sibling claiming now sees it) and return the
         threads for the coming step."""
         self._set_busy(True)
-        self.threads = self.base + self.lendable()
-        if self.threads > self.base:
+        threads = self.base + self.lendable()
+        if threads > self.base:
             self.borrowed_steps += 1
-        return self.threads
+        return threads
 
     def release(self) -> None:
         """This engine has no work: its share is the siblings' until the next claim."""
