@@ -98,6 +98,8 @@ class Ctx:
     session: aiohttp.ClientSession
     cfg: ChaosConfig
     progress: list[Outcome]
+    # Streams a fault started itself (to make traffic it needs); they count in its row.
+    extra: list[asyncio.Future[Outcome]] = field(default_factory=list)
 
 
 Inject = Callable[[Ctx], Awaitable[Timing]]
@@ -165,7 +167,17 @@ async def cut_kv(ctx: Ctx) -> Timing:
     before = proxy.cuts
     proxy.arm_cut(after_bytes=1024, count=ctx.cfg.cuts)
     deadline = time.monotonic() + ctx.cfg.hard_timeout_s
+    url = ctx.mesh.url + "/v1/completions"
+    next_extra = time.monotonic() + 1.0
     while proxy.cuts - before < ctx.cfg.cuts and time.monotonic() < deadline:
+        # The running streams may have pulled their KV already (a fast mesh prefills them
+        # all before half stream): then new requests make the pulls to cut, one every 0.5 s.
+        # The router sends about half of them through prefill-0's proxy.
+        if time.monotonic() >= next_extra and len(ctx.extra) < 8 * ctx.cfg.cuts:
+            body = completion_body(f"cut {len(ctx.extra)}: {PROMPT}", ctx.cfg.max_tokens)
+            ctx.extra.append(asyncio.ensure_future(stream_request(
+                ctx.session, url, body, ctx.cfg.hard_timeout_s)))
+            next_extra = time.monotonic() + 0.5
         await asyncio.sleep(0.05)
     proxy.disarm()
     return Timing(note=f"{proxy.cuts - before} KV connections reset mid-body; the prefill "
@@ -238,8 +250,9 @@ async def _streams_with_fault(mesh: Mesh, session: aiohttp.ClientSession, url: s
            and time.monotonic() < deadline and not all(t.done() for t in tasks)):
         await asyncio.sleep(0.02)
     t_fault = time.monotonic()
-    timing = await FAULTS[name](Ctx(mesh, session, cfg, progress))
-    outcomes = list(await asyncio.gather(*tasks))
+    ctx = Ctx(mesh, session, cfg, progress)
+    timing = await FAULTS[name](ctx)
+    outcomes = list(await asyncio.gather(*tasks, *ctx.extra))
     return outcomes, t_fault, timing
 
 
@@ -324,6 +337,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds after which an open stream counts as hung")
     p.add_argument("--stop-seconds", type=float, default=d.stop_s, help="SIGSTOP duration")
     p.add_argument("--client-closes", type=int, default=d.client_closes)
+    p.add_argument("--cuts", type=int, default=d.cuts, help="KV connections the proxy resets")
     p.add_argument("--lease-seconds", type=float, default=10.0,
                    help="the workers' --kv-lease-seconds")
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
@@ -341,7 +355,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = ChaosConfig(args.concurrency, args.max_tokens, args.hard_timeout, args.stop_seconds,
-                      args.client_closes)
+                      args.client_closes, args.cuts)
     spec = MeshSpec(args.model, dtype=args.dtype, lease_s=args.lease_seconds,
                     router_flags=tuple(args.router_arg))
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdmesh-chaos-"))
