@@ -1,58 +1,56 @@
-"""MXFP4 perplexity with GPTQ error feedback (kernels/mxfp4/gptq.py, shared/model/gptq.py).
+"""MXFP4 perplexity by encoder: OCP, MSE, GPTQ, and GPTQ after activation-aware scales (AWQ),
+beside bf16 and llama.cpp's Q4_1 file, on benchmarks/perplexity.py's two fixed texts.
 
     .venv/bin/python benchmarks/gptq_mxfp4.py [--calibration generated|FILE ...] [--damp 0.1]
-                                              [--hessians sequential dense] [--threads 2]
+        [--threads 2] [--cache ~/.cache/pdmesh/peers] [--no-llamacpp]
 
-Evaluates benchmarks/perplexity.py's two fixed texts (a story, technical instructions) for
-the bf16 model: dense, MXFP4 with OCP and MSE exponents, and MXFP4 GPTQ-rounded once per
---calibration source ("generated": the default of `pdmesh quantize --method gptq`, text
-the bf16 model writes itself from generic chat prompts; or a text file). LM head dense.
-Calibration runs the dense fp32 checkpoint; the GPTQ bytes are copied into the MSE model's
-MXFP4Linear modules, so every variant runs the same bf16 MXFP4 code.
+Every GPTQ variant is a checkpoint written the way `pdmesh quantize --method gptq [--no-awq]`
+writes it (shared.model.gptq.GptqEncoder into shared.model.quant_checkpoint) and loaded by the
+pre-quantised loader in bf16, LM head dense, so the figures are those of a served checkpoint.
+"generated" calibration is the default of `pdmesh quantize` (text the bf16 model writes itself
+from generic chat prompts); a FILE is a text file's first 2048 tokens. The llama.cpp row runs
+the Q4_1 GGUF (the embedded model's own file: our "dense" weights are its dequantised values)
+through llama-cpp-python in the peer venv of benchmarks/peers.py, on the same token ids.
 
-2026-12-06, SmolLM2-135M-Instruct, bf16, LM head dense, 2 threads, Intel Xeon KVM guest (AMX,
-avx512_bf16; 2 cores, shared: load 1-4.5). GPTQ rows are `pdmesh quantize --method gptq`
-checkpoints (damp 0.1, layer-sequential) loaded through the pre-quantised loader:
+2026-12-06 23:26, SmolLM2-135M-Instruct, 2 threads, AMD EPYC Zen 4 KVM guest (avx512_bf16;
+load 1.3 -> 1.8), default settings (damp 0.1, generated calibration of 4054 tokens):
 
   variant                                  story (521 tok)   technical (439 tok)
-  dense                                    26.88             32.72
-  MXFP4 OCP exponents                      44.08  +64.0%     51.92  +58.7%
-  MXFP4 MSE exponents                      43.23  +60.8%     50.25  +53.6%
-  GPTQ, generated calibration (default)    36.73  +36.6%     40.79  +24.7%
-  GPTQ, --calibration README.md            39.42  +46.7%     42.81  +30.8%
+  dense bf16                               26.86             32.79
+  llama.cpp Q4_1                           26.95  +0%        32.82  +0%
+  MXFP4 OCP exponents                      43.95  +64%       52.16  +59%
+  MXFP4 MSE exponents                      43.44  +62%       50.25  +53%
+  GPTQ (--no-awq), 54 s                    37.23  +39%       40.05  +22%
+  GPTQ + AWQ (the default), 105 s          34.39  +28%       38.29  +17%
 
-The default calibration is 4041 tokens the bf16 model writes itself (16 generic chat
-prompts, seeded); README.md is 2048 tokens of this project's technical prose. A second
-`pdmesh quantize` run wrote the very same bytes. Other settings on the generated text, by
-this script (bytes copied into a loaded model, in one process; it gave 36.32 / 42.46 for the
-default settings against the checkpoint's 36.73 / 40.79, a difference not tracked down, so
-read ~1-2 points as noise): dense-pass Hessians 37.04 / 42.38, damp 0.03 36.93 / 42.78
-(dense pass 36.40 / 43.25), act-order inside groups 36.53 / 44.32. None reaches +32% on the story with
-a calibration text not chosen for it; the experiment this script replaced got 34.32 there
-with story-like calibration prose. `pdmesh quantize --method gptq` took 99 s in all at load
-~1 (with --calibration README.md, nothing to generate: 61 s), 469 s with both cores busy.
-With `--lm-head` (the head GPTQ-rounded too; checkpoint loaded by the pre-quantised loader):
-40.58 +51.0% / 45.87 +40.2%, in 104 s. Twice the generated calibration (~8k tokens, seeds 0
-and 1000), this script's way: 36.26 +34.9% / 41.35 +26.4%.
+The AWQ search's order inside a layer matters on these short texts: searching o_proj and
+down_proj first (so qkv_proj and gate_up_proj see their final producer rows) gave 36.69 /
+38.78; the order kept is AWQ's own (each group searched on the layer as it stands, qkv first).
+AWQ scales with MSE rounding and no GPTQ gave 39.83 / 41.97.
+See the README's performance section for the run this table is from and its command.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import math
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
 
-import torch
-
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 
 
 def _perplexity_module() -> ModuleType:
     # benchmarks/kernels.py shadows the kernels package for a sibling import: load by path.
-    spec = importlib.util.spec_from_file_location("ppl", ROOT / "benchmarks" / "perplexity.py")
+    spec = importlib.util.spec_from_file_location("ppl", HERE / "perplexity.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -67,19 +65,78 @@ def _sequences(source: str, model_dir: Path, tokenizer) -> list[list[int]]:
     return file_sequences(Path(source), tokenizer)
 
 
-def main() -> int:
+def _gptq_checkpoint(model_dir: Path, out: Path, seqs: list[list[int]], damp: float,
+                     awq: bool) -> Path:
+    """`pdmesh quantize --method gptq [--no-awq]`'s checkpoint, on the given sequences."""
+    from shared.model.gptq import GptqConfig, GptqEncoder
+    from shared.model.quant import QuantConfig
+    from shared.model.quant_checkpoint import write_quantized_checkpoint
+
+    encoder = GptqEncoder(model_dir, seqs, GptqConfig(damp=damp, awq=awq))
+    write_quantized_checkpoint(model_dir, out, QuantConfig(), packer=encoder.pack,
+                               dense=encoder.dense)
+    return out
+
+
+def llamacpp_perplexity(gguf: Path, texts: dict[str, list[int]], threads: int) -> dict[str, float]:
+    """In the peer venv: exp(mean NLL) of each text's ids[1:] from llama.cpp's logits."""
+    import numpy as np
+    from llama_cpp import Llama  # only in the peer venv
+
+    # One token per batch: ggml's AMX path crashes on batches of 2+ (see llamacpp_decode.py).
+    llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=1024,
+                n_batch=1, n_ubatch=1, logits_all=True, verbose=False)
+    out = {}
+    for name, ids in texts.items():
+        llm.reset()
+        llm.eval(ids)
+        logits = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)  # [n-1, vocab]
+        top = logits.max(-1, keepdims=True)
+        logz = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
+        nll = logz - logits[np.arange(len(ids) - 1), ids[1:]]
+        out[name] = math.exp(float(nll.mean()))
+    return out
+
+
+def _llamacpp_row(args: argparse.Namespace, texts: dict[str, list[int]]) -> dict[str, float]:
+    sys.path.insert(0, str(HERE))
+    import peer_servers as ps
+
+    python = ps.llama_venv(args.cache) / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"no llama-cpp-python venv at {python.parent.parent}: run "
+                         "benchmarks/peers.py once (it sets it up), or pass --no-llamacpp")
+    cmd = [str(python), __file__, "--side-llamacpp", str(ps.find_q4_gguf()),
+           "--threads", str(args.threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    done = subprocess.run(cmd, input=json.dumps(texts), capture_output=True, text=True, cwd=ROOT,
+                          env=env, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"llama.cpp failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--calibration", nargs="+", default=["generated", str(ROOT / "README.md")])
+    p.add_argument("--calibration", nargs="+", default=["generated"])
     p.add_argument("--damp", type=float, default=0.1, help="fraction of mean diag(H) added")
-    p.add_argument("--hessians", nargs="+", choices=("sequential", "dense"),
-                   default=["sequential"],
-                   help="sequential: layer i calibrated on layers < i quantised (the default "
-                        "of pdmesh quantize); dense: every H from the dense model")
     p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args()
+    p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "pdmesh" / "peers")
+    p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp Q4_1 row")
+    p.add_argument("--side-llamacpp", type=Path, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.side_llamacpp is not None:  # the child, in the peer venv
+        texts = json.loads(sys.stdin.read())
+        print(json.dumps(llamacpp_perplexity(args.side_llamacpp, texts, args.threads)))
+        return 0
+    import torch
+
     sys.path.insert(0, str(ROOT))
-    from shared.model.gptq import GptqConfig, GptqEncoder
     from shared.model.registry import resolve_model
     from shared.model.tokenizer import Tokenizer
 
@@ -88,34 +145,34 @@ def main() -> int:
     model_dir = resolve_model(args.model)
     tok = Tokenizer(model_dir)
     texts = {name: tok.encode(text) for name, text in ppl.TEXTS.items()}
-    print(f"{'variant':<44}" + "".join(f"{n:>12}" for n in texts))
-    base = {n: ppl.perplexity(ppl.load(model_dir, "bfloat16", "dense", "ocp"), ids)
-            for n, ids in texts.items()}
-    _row("dense", base, base)
+    print(f"load average {os.getloadavg()[0]:.2f}; {' / '.join(texts)}", flush=True)
+    print(f"{'variant':<48}" + "".join(f"{n:>14}" for n in texts))
+
+    def measure(model) -> dict[str, float]:
+        return {n: ppl.perplexity(model, ids) for n, ids in texts.items()}
+
+    base = measure(ppl.load(model_dir, "bfloat16", "dense", "ocp"))
+    _row("dense bf16", base, base)
+    if not args.no_llamacpp:
+        _row("llama.cpp Q4_1", _llamacpp_row(args, texts), base)
     for encoder in ("ocp", "mse"):
-        model = ppl.load(model_dir, "bfloat16", "mxfp4", encoder)
-        _row(f"mxfp4 {encoder}", {n: ppl.perplexity(model, ids) for n, ids in texts.items()}, base)
-    for source in args.calibration:
-        start = time.perf_counter()
-        seqs = _sequences(source, model_dir, tok)
-        generated = time.perf_counter() - start
-        for hessians in args.hessians:
-            start = time.perf_counter()
-            config = GptqConfig(damp=args.damp, sequential=hessians == "sequential")
-            encoder = GptqEncoder(model_dir, seqs, config)
-            label = (f"gptq {Path(source).name} {hessians} ({sum(map(len, seqs))} tok, "
-                     f"{generated:.0f}+{time.perf_counter() - start:.0f} s)")
-            model = ppl.load(model_dir, "bfloat16", "mxfp4", "mse")
-            modules = dict(model.named_modules())
-            for name, (blocks, scales) in encoder.modules.items():
-                modules[name].weight_blocks.copy_(blocks)
-                modules[name].weight_scales.copy_(scales)
-            _row(label, {n: ppl.perplexity(model, ids) for n, ids in texts.items()}, base)
+        _row(f"MXFP4 {encoder}", measure(ppl.load(model_dir, "bfloat16", "mxfp4", encoder)), base)
+    with tempfile.TemporaryDirectory(prefix="pdmesh-gptq-") as tmp:
+        for source in args.calibration:
+            seqs = _sequences(source, model_dir, tok)
+            for awq in (False, True):
+                start = time.perf_counter()
+                out = _gptq_checkpoint(model_dir, Path(tmp) / f"{len(os.listdir(tmp))}", seqs,
+                                       args.damp, awq)
+                label = (f"GPTQ{' + AWQ' if awq else ''} {Path(source).name} "
+                         f"({sum(map(len, seqs))} tok, {time.perf_counter() - start:.0f} s)")
+                _row(label, measure(ppl.load(out, "bfloat16", "dense", "ocp")), base)
+    print(f"load average {os.getloadavg()[0]:.2f}")
     return 0
 
 
 def _row(label: str, values: dict[str, float], base: dict[str, float]) -> None:
-    print(f"{label:<44}" + "".join(f"{v:>6.2f} {(v / base[n] - 1) * 100:>+4.0f}%"
+    print(f"{label:<48}" + "".join(f"{v:>8.2f} {(v / base[n] - 1) * 100:>+4.0f}%"
                                    for n, v in values.items()), flush=True)
 
 

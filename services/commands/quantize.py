@@ -3,7 +3,9 @@ pre-quantised checkpoint.
 
 --method gptq rounds with error feedback under each layer's input statistics, collected by
 running the dense model over calibration text: `--calibration FILE`, or by default text the
-model generates itself from generic chat prompts (shared/engine/calibration.py). Same format.
+model generates itself from generic chat prompts (shared/engine/calibration.py). Before the
+rounding it folds activation-aware channel scales into the norms and producer rows that feed
+each linear (shared/model/awq.py; `--no-awq` leaves them out). Same format.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING
 from shared.config import GPTQ_METHOD, QUANTIZE_METHOD_CHOICES
 
 if TYPE_CHECKING:  # torch stays unimported until the command runs
-    from shared.model.quant_checkpoint import Packer
+    from shared.model.gptq import GptqEncoder
 
 HELP = "Write an MXFP4 pre-quantised copy of an HF checkpoint (loads without re-quantising)."
 
@@ -41,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--damp", type=float, default=None,
                         help="with --method gptq: fraction of mean(diag(H)) added to H's "
                              "diagonal (default 0.1)")
+    parser.add_argument("--awq", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --method gptq: fold activation-aware channel scales into the "
+                             "norms and producer rows before rounding (default: on, for the "
+                             "pre-norm decoder families; others are rounded without)")
     parser.add_argument("--backend", default=None,
                         help="kernels.mxfp4 backend (default: fastest; results are identical)")
 
@@ -52,8 +58,9 @@ def run(args: argparse.Namespace) -> int:
 
     gptq = args.method == GPTQ_METHOD
     try:
-        if not gptq and (args.calibration is not None or args.damp is not None):
-            raise ValueError("--calibration and --damp go with --method gptq")
+        if not gptq and (args.calibration is not None or args.damp is not None
+                         or args.awq is not None):
+            raise ValueError("--calibration, --damp and --awq go with --method gptq")
         quant = QuantConfig(method=QuantMethod(args.format), quantize_lm_head=args.lm_head,
                             backend=args.backend,
                             encoder=DEFAULT_ENCODER if gptq
@@ -61,13 +68,18 @@ def run(args: argparse.Namespace) -> int:
         in_dir = resolve_model(args.in_dir)
         check_paths(in_dir, args.out_dir)
         start = time.perf_counter()
-        packer = _gptq_packer(args, in_dir, quant.lm_head) if gptq else None
-        report = write_quantized_checkpoint(in_dir, args.out_dir, quant, packer=packer)
+        encoder = _gptq_encoder(args, in_dir, quant.lm_head) if gptq else None
+        report = write_quantized_checkpoint(
+            in_dir, args.out_dir, quant, packer=encoder.pack if encoder else None,
+            dense=encoder.dense if encoder else None)
     except (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError) as exc:
         print(f"quantize: {exc}", file=sys.stderr)
         return 2
     mib = 1 << 20
-    how = GPTQ_METHOD if gptq else f"{quant.encoder} exponents"
+    how = f"{quant.encoder} exponents"
+    if encoder is not None:
+        how = GPTQ_METHOD + (f" after activation-aware scales on {len(encoder.folded)} layers"
+                             if encoder.folded else "")
     print(f"wrote {report.out_dir} in {time.perf_counter() - start:.0f} s: "
           f"{report.num_quantized} weights quantised to {args.format} with {how} "
           f"({report.dense_bytes / mib:.1f} MiB -> {report.packed_bytes / mib:.1f} MiB), "
@@ -75,14 +87,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gptq_packer(args: argparse.Namespace, model_dir: Path, lm_head: bool) -> Packer:
-    """Calibrate (the slow part: minutes) and return the GPTQ encoder's pack method."""
+def _gptq_encoder(args: argparse.Namespace, model_dir: Path, lm_head: bool) -> GptqEncoder:
+    """Calibrate (the slow part: minutes) and return the GPTQ encoder."""
     from kernels.mxfp4.gptq import DEFAULT_DAMP
     from shared.engine.calibration import file_sequences, generated_sequences
     from shared.model.gptq import GptqConfig, GptqEncoder
     from shared.model.tokenizer import Tokenizer
 
-    config = GptqConfig(damp=DEFAULT_DAMP if args.damp is None else args.damp, lm_head=lm_head)
+    config = GptqConfig(damp=DEFAULT_DAMP if args.damp is None else args.damp, lm_head=lm_head,
+                        awq=args.awq is not False)
     if args.calibration is not None:
         sequences = file_sequences(args.calibration, Tokenizer(model_dir))
         source = str(args.calibration)
@@ -91,4 +104,4 @@ def _gptq_packer(args: argparse.Namespace, model_dir: Path, lm_head: bool) -> Pa
         source = "generated by the model"
     print(f"gptq: {sum(map(len, sequences))} calibration tokens ({source}), damp "
           f"{config.damp}", file=sys.stderr)
-    return GptqEncoder(model_dir, sequences, config).pack
+    return GptqEncoder(model_dir, sequences, config)

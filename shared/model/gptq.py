@@ -4,8 +4,10 @@
 calibration token sequences through it once, and then quantises the decoder layer by layer:
 
   for layer i: H = mean x^T x of each nn.Linear's input [in, in] (qkv_proj, o_proj,
-  gate_up_proj, down_proj), collected by running layer i alone on its stored inputs; each
-  weight is GPTQ-rounded under its H; the layer's outputs become layer i+1's inputs.
+  gate_up_proj, down_proj), collected by running layer i alone on its stored inputs; with
+  config.awq, activation-aware channel scales are searched and folded into the ops before
+  those linears (shared.model.awq; H follows: H / (s s^T)); each weight is GPTQ-rounded
+  under its H; the layer's outputs become layer i+1's inputs.
 
 With `sequential` (the default) layer i's weights are replaced by their quantised values
 before its outputs are recomputed, so layer i+1 is calibrated on the inputs it will see when
@@ -14,7 +16,8 @@ dense pass). The LM head, when quantised, is calibrated on the final norm's outp
 
 The encoder then serves packed bytes by HF tensor name (`pack`), cutting a fused module's
 rows (q/k/v of qkv_proj, gate/up of gate_up_proj) back out: GPTQ is row-independent given H,
-so q, k and v packed separately under their shared input's H are the fused rows.
+so q, k and v packed separately under their shared input's H are the fused rows. The dense
+tensors the fold changed (norm weights, a v or up bias) are served by HF name too (`dense`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch import nn
 
 from kernels.mxfp4 import reference
 from kernels.mxfp4.gptq import DEFAULT_DAMP, quantize_gptq
+from shared.model import awq
 from shared.model.attention import AttentionMetadata
 from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_model
@@ -42,7 +46,8 @@ _LayerArgs = tuple[tuple[Any, ...], dict[str, Any]]
 class GptqConfig:
     """How `pdmesh quantize --method gptq` calibrates: damp is the fraction of mean(diag(H))
     added to H's diagonal; sequential calibrates layer i on layer < i already quantised;
-    lm_head quantises (and calibrates) the LM head too."""
+    lm_head quantises (and calibrates) the LM head too; awq folds activation-aware channel
+    scales (searched over awq_grid exponents) into every layer where they fold exactly."""
 
     damp: float = DEFAULT_DAMP
     # Layer-sequential by default: it measured better. SmolLM2-135M bf16 perplexity, story /
@@ -53,17 +58,27 @@ class GptqConfig:
     # 36.40 / 43.25.
     sequential: bool = True
     lm_head: bool = False
+    # On by default: it measured better. SmolLM2-135M bf16, story / technical text, damp 0.1,
+    # generated calibration (benchmarks/gptq_mxfp4.py): GPTQ 37.23 / 40.05, AWQ scales then
+    # GPTQ 34.39 / 38.29 (dense 26.86 / 32.79); AWQ scales with MSE rounding alone 39.83 /
+    # 41.97.
+    awq: bool = True
+    awq_grid: int = 20
 
     def __post_init__(self) -> None:
         if not self.damp > 0:
             raise ValueError(f"damp must be > 0 (a fraction of mean(diag(H))), got {self.damp}")
+        if self.awq_grid < 1:
+            raise ValueError(f"awq_grid must be >= 1, got {self.awq_grid}")
 
 
 class _Hessians:
-    """Forward hooks summing x^T x (float64 [in, in]) of each watched module's input rows."""
+    """Forward hooks summing x^T x (float64 [in, in]) and |x| ([in]) of each watched module's
+    input rows."""
 
     def __init__(self, modules: dict[str, nn.Module]) -> None:
         self.sums: dict[str, torch.Tensor] = {}
+        self.abs_sums: dict[str, torch.Tensor] = {}
         self.rows: dict[str, int] = {}
         self._handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
 
@@ -77,12 +92,22 @@ class _Hessians:
         """x [T, in] of module `name`'s inputs."""
         total = self.sums.get(name)
         self.sums[name] = x.T @ x if total is None else total.addmm_(x.T, x)
+        self.abs_sums[name] = x.abs().sum(0) + self.abs_sums.get(name, 0)
         self.rows[name] = self.rows.get(name, 0) + x.shape[0]
 
     def mean(self, name: str) -> torch.Tensor:
         if name not in self.sums:
             raise ValueError(f"no calibration input reached {name}")
         return self.sums[name] / self.rows[name]
+
+    def stats(self, name: str) -> awq.InputStats:
+        return awq.InputStats(self.abs_sums[name] / self.rows[name], self.mean(name))
+
+    def rescale(self, name: str, s: torch.Tensor) -> None:
+        """The inputs became x / s [in] (scales folded into their producer)."""
+        inv = 1.0 / s.to(torch.float64)
+        self.sums[name].mul_(inv[:, None] * inv[None, :])
+        self.abs_sums[name].mul_(inv)
 
     def close(self) -> None:
         for h in self._handles:
@@ -127,12 +152,36 @@ def _linears(module: nn.Module) -> dict[str, nn.Linear]:
     return {n: m for n, m in module.named_modules() if type(m) is nn.Linear}
 
 
+@dataclass(frozen=True)
+class Calibrated:
+    """calibrate's result: module name ("layers.3.mlp.down_proj", "lm_head") -> packed GPTQ
+    weight, and per layer index what the activation-aware fold did (layers it ran on)."""
+
+    packed: dict[str, Packed]
+    folded: dict[int, awq.Folded]
+
+    def changed_params(self) -> set[str]:
+        """Our dense parameters the fold rewrote (norm weights; a v or up bias)."""
+        out: set[str] = set()
+        for i, fold in self.folded.items():
+            if fold.alpha["self_attn.qkv_proj"] > 0:
+                out.add(f"layers.{i}.input_layernorm.weight")
+            if fold.alpha["mlp.gate_up_proj"] > 0:
+                out.add(f"layers.{i}.post_attention_layernorm.weight")
+            if fold.alpha["self_attn.o_proj"] > 0:
+                out.add(f"layers.{i}.self_attn.qkv_proj.bias")
+            if fold.alpha["mlp.down_proj"] > 0:
+                out.add(f"layers.{i}.mlp.gate_up_proj.bias")
+        return out
+
+
 @torch.inference_mode()
 def calibrate(model: LlamaForCausalLM, sequences: Sequence[list[int]],
-              config: GptqConfig) -> dict[str, Packed]:
-    """model (dense, fp32; its decoder linears are overwritten with their quantised values
-    when config.sequential) -> module name ("layers.3.mlp.down_proj", "lm_head") -> packed
-    GPTQ weight, for every decoder nn.Linear and, with config.lm_head, the LM head."""
+              config: GptqConfig) -> Calibrated:
+    """model (dense, fp32; with config.awq its norms and producer rows take the folded scales,
+    and its decoder linears are overwritten with their quantised values when
+    config.sequential) -> the packed GPTQ weight of every decoder nn.Linear and, with
+    config.lm_head, the LM head."""
     if model.config.moe is not None:
         raise ValueError("gptq calibrates dense decoder linears only; routed experts (MoE) "
                          "have no per-expert Hessian here: use --method mse")
@@ -146,13 +195,20 @@ def calibrate(model: LlamaForCausalLM, sequences: Sequence[list[int]],
         return [layer(h, *a[i][0], **a[i][1]) for h, a in zip(hidden, args, strict=True)]
 
     packed: dict[str, Packed] = {}
+    folded: dict[int, awq.Folded] = {}
     for i, layer in enumerate(model.layers):
         linears = _linears(layer)
         hessians = _Hessians(dict(linears))
         try:
-            out = run(i, layer)
+            out = run(i, layer)  # unchanged by the fold below: it keeps the layer's function
         finally:
             hessians.close()
+        if config.awq and awq.foldable(layer):
+            stats = {name: hessians.stats(name) for name in awq.GROUPS}
+            folded[i] = awq.fold_layer(layer, model.config, stats, config.awq_grid)
+            for name, s in folded[i].scales.items():
+                if folded[i].alpha[name] > 0:
+                    hessians.rescale(name, s)
         for name, linear in linears.items():
             packed[f"layers.{i}.{name}"] = quantize_gptq(linear.weight, hessians.mean(name),
                                                         config.damp)
@@ -169,15 +225,15 @@ def calibrate(model: LlamaForCausalLM, sequences: Sequence[list[int]],
         for h in hidden:
             head.add("lm_head", model.norm(h).to(torch.float64))
         packed["lm_head"] = quantize_gptq(model.lm_head.weight, head.mean("lm_head"), config.damp)
-    return packed
+    return Calibrated(packed, folded)
 
 
 class GptqEncoder:
     """GPTQ-packed MXFP4 weights of one checkpoint, served by HF tensor name.
 
     Built from a dense checkpoint directory and calibration token sequences (each a separate
-    sequence from position 0); holds the fp32 model while calibrating and the packed bytes
-    (~0.53 bytes per weight) after.
+    sequence from position 0); holds the fp32 model while calibrating, and the packed bytes
+    (~0.53 bytes per weight) plus the dense tensors the fold changed after.
     """
 
     def __init__(self, model_dir: Path, sequences: Sequence[list[int]],
@@ -185,7 +241,17 @@ class GptqEncoder:
         model, _ = load_model(model_dir, "float32")
         self.config = config
         self._rows = model.linear_rows()  # HF name -> (module, lo, hi)
-        self._packed = calibrate(model, sequences, config)
+        calibrated = calibrate(model, sequences, config)
+        self._packed = calibrated.packed
+        self.folded = calibrated.folded
+        # HF name -> fp32 value, for the dense tensors the fold rewrote
+        self._dense = model.hf_tensors(calibrated.changed_params())
+
+    @property
+    def dense(self) -> dict[str, torch.Tensor]:
+        """HF name -> the value to store instead of the checkpoint's, for every dense tensor
+        the activation-aware fold changed (empty without it)."""
+        return dict(self._dense)
 
     @property
     def modules(self) -> dict[str, Packed]:

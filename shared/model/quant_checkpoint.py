@@ -8,8 +8,9 @@ tied embeddings `lm_head.weight_*` is added beside the dense embedding. Quantisa
 the stored tensor itself (not a dtype-converted copy), exactly as on-the-fly loading does,
 so both give bit-identical packed weights (with the same encoder). A `packer` replaces the
 encoder (GPTQ: shared.model.gptq.GptqEncoder.pack, bytes computed beforehand from the whole
-model); the format is the same. Tensors are streamed one at a time and written in shards of at
-most max_shard_bytes.
+model); the format is the same. `dense` replaces copied tensors by HF name (the norm weights
+into which GPTQ's activation-aware scales were folded), cast to the stored dtype. Tensors are
+streamed one at a time and written in shards of at most max_shard_bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,9 +79,15 @@ def _pack(name: str, tensor: torch.Tensor, quant: QuantConfig, tally: _Tally,
 
 
 def _converted(model_dir: Path, quant: QuantConfig, tied: bool, tally: _Tally,
-               packer: Packer | None) -> Iterator[tuple[str, torch.Tensor]]:
+               packer: Packer | None, dense: Mapping[str, torch.Tensor],
+               ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of the output checkpoint, one source tensor at a time."""
     for name, tensor in iter_weights(open_checkpoint(model_dir).weight_files):
+        if name in dense:
+            if dense[name].shape != tensor.shape:
+                raise ValueError(f"replacement for {name!r} is {tuple(dense[name].shape)}, "
+                                 f"stored {tuple(tensor.shape)}")
+            tensor = dense[name].to(tensor.dtype)
         head = name.endswith("lm_head.weight")
         if tied and head:
             continue  # HF ignores a stored head when tied; a packed one is derived below
@@ -106,9 +113,12 @@ def check_paths(in_dir: Path, out_dir: Path) -> None:
 
 def write_quantized_checkpoint(in_dir: Path, out_dir: Path, quant: QuantConfig,
                                max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                               packer: Packer | None = None) -> QuantizeReport:
+                               packer: Packer | None = None,
+                               dense: Mapping[str, torch.Tensor] | None = None,
+                               ) -> QuantizeReport:
     """Write in_dir's checkpoint, MXFP4-quantised, to out_dir (which must not hold files);
-    packer, when given, packs every quantised weight instead of quant.encoder."""
+    packer, when given, packs every quantised weight instead of quant.encoder; dense (HF
+    name -> tensor) replaces those stored tensors that are copied."""
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     check_paths(in_dir, out_dir)
     raw_config = read_json(in_dir / "config.json")
@@ -116,7 +126,8 @@ def write_quantized_checkpoint(in_dir: Path, out_dir: Path, quant: QuantConfig,
     out_dir.mkdir(parents=True, exist_ok=True)
     tally = _Tally()
     writer = _ShardWriter(out_dir, max_shard_bytes)
-    for name, tensor in _converted(in_dir, quant, config.tie_word_embeddings, tally, packer):
+    for name, tensor in _converted(in_dir, quant, config.tie_word_embeddings, tally, packer,
+                                   dense or {}):
         writer.add(name, tensor)
     files = writer.close()
     raw_config["quantization_config"] = quant.to_hf()

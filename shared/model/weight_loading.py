@@ -126,6 +126,21 @@ class HFWeightLoading(nn.Module):
             out[hf_name] = (module_name, lo, hi)
         return out
 
+    def hf_tensors(self, params: set[str]) -> dict[str, torch.Tensor]:
+        """HF name -> a copy of what that tensor fills now (its slice of a fused parameter),
+        for every HF tensor whose target is one of params (our parameter names)."""
+        out: dict[str, torch.Tensor] = {}
+        for hf_name, targets in self._weight_map.items():
+            param, part = targets[0]
+            if param not in params:
+                continue
+            value = self.get_parameter(param).detach()
+            if part is not None:
+                lo, hi = self._slice_bounds(param, part)
+                value = value[lo:hi]
+            out[hf_name] = value.clone()
+        return out
+
     @functools.cached_property
     def _layer_params(self) -> dict[str, tuple[str, int | None]]:
         return self.layer_params()

@@ -137,7 +137,9 @@ def eval_logits(model_dir: Path, tokenizer_dir: Path, block: int = 16) -> torch.
 
 def test_gptq_checkpoint_serves_and_beats_mse(tiny_untied, tmp_path, calibration_file) -> None:
     outs = {}
-    for name, flags in {"gptq": ["--method", "gptq", "--calibration", str(calibration_file)],
+    # GPTQ alone (--no-awq): the fold is tests/quant/test_awq.py's
+    for name, flags in {"gptq": ["--method", "gptq", "--no-awq", "--calibration",
+                                 str(calibration_file)],
                         "mse": ["--method", "mse"]}.items():
         outs[name] = tmp_path / name
         assert quantize_cli(tiny_untied, outs[name], *flags) == 0
@@ -176,6 +178,7 @@ def test_gptq_tied_head(tiny_tied, tmp_path, calibration_file) -> None:
     (["--method", "gptq", "--calibration", "EMPTY"], "empty"),
     (["--method", "gptq", "--damp", "0"], "damp"),
     (["--method", "mse", "--damp", "0.1"], "--method gptq"),
+    (["--method", "mse", "--no-awq"], "--method gptq"),
 ])
 def test_bad_gptq_input_exits_2(tiny_untied, tmp_path, capsys, flags, message) -> None:
     (tmp_path / "EMPTY").write_text(" \n", encoding="utf-8")
