@@ -2,9 +2,11 @@
 
 Broken weights (a NaN in a checkpoint, a bad quantisation) or an overflow give logits with no
 distribution to sample from; sampling them anyway answers garbage with status 200 (token 0
-repeated, every logprob at the floor). The guard runs on every step that samples: one
-`isfinite(...).all()` reduction over the step's [R, V] logits, and only when that fails a
-per-row pass to name the rows. Those rows are filled with zeros (so the batch's sampler
+repeated, every logprob at the floor). The guard runs on every step that samples: one sum
+over the step's [R, V] logits (finite only if every element is: a NaN or an inf makes it NaN
+or inf; measured 6 us for one row of SmolLM2's 49,152 against 90 us for `isfinite().all()`,
+25 us against 940 us for 16 rows), and only when that is not finite a per-row pass to name
+the rows (none, when finite values merely overflowed the sum). Those rows are filled with zeros (so the batch's sampler
 tensors stay finite) and the engine fails exactly those requests.
 
 It also keeps what /metrics and /health report: how many requests failed so, and when the
@@ -13,6 +15,7 @@ latest did (None again once a later step sampled only finite logits: the model i
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,11 +42,14 @@ class LogitsGuard:
     def check(self, logits: torch.Tensor) -> CheckedLogits:
         """logits [R, V] fp32 -> the same tensor when all finite (one reduction, no copy),
         else a copy with the bad rows zeroed and their indices."""
-        if bool(torch.isfinite(logits).all()):
+        if math.isfinite(float(logits.sum(dtype=torch.float32))):
             self.last_non_finite_at = None
             return CheckedLogits(logits, ())
         bad = ~torch.isfinite(logits).all(dim=1)  # [R] bool
         rows = tuple(bad.nonzero()[:, 0].tolist())
+        if not rows:  # finite values whose sum overflowed
+            self.last_non_finite_at = None
+            return CheckedLogits(logits, ())
         self.num_non_finite += len(rows)
         self.last_non_finite_at = self._clock()
         return CheckedLogits(logits.masked_fill(bad[:, None], 0.0), rows)

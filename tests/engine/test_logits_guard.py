@@ -38,8 +38,9 @@ def oracle_bad_rows(logits: torch.Tensor) -> tuple[int, ...]:
 def test_guard_matches_a_per_row_oracle(rows: int, vocab: int, data: st.DataObject) -> None:
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows * vocab))
     poison = data.draw(st.lists(st.tuples(st.integers(0, rows - 1), st.integers(0, vocab - 1),
-                                          st.sampled_from([math.nan, math.inf, -math.inf])),
-                                max_size=4))
+                                          st.sampled_from([math.nan, math.inf, -math.inf,
+                                                           3e38, -3e38])),
+                                max_size=4))  # (+-3e38: finite, but two overflow a sum)
     for r, c, v in poison:
         logits[r, c] = v
     before = logits.clone()
@@ -60,6 +61,16 @@ def test_guard_matches_a_per_row_oracle(rows: int, vocab: int, data: st.DataObje
         assert guard.check(torch.zeros(1, vocab)).bad_rows == ()  # a clean step clears the stamp
         assert guard.last_non_finite_at is None and guard.num_non_finite == len(want)
     assert guard.reset() == len(want) and guard.num_non_finite == 0
+
+
+def test_finite_logits_whose_sum_overflows_are_clean() -> None:
+    logits = torch.zeros(2, 8)
+    logits[0, :3] = 3e38  # each finite; their float32 sum is inf
+    assert not math.isfinite(float(logits.sum()))
+    guard = LogitsGuard()
+    checked = guard.check(logits)
+    assert checked.bad_rows == () and checked.logits is logits
+    assert guard.num_non_finite == 0 and guard.last_non_finite_at is None
 
 
 @pytest.fixture(scope="module")
