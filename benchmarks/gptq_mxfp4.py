@@ -2,7 +2,7 @@
 beside bf16 and llama.cpp's Q4_1 file, on benchmarks/perplexity.py's two fixed texts.
 
     .venv/bin/python benchmarks/gptq_mxfp4.py [--calibration generated|FILE ...] [--damp 0.1]
-        [--threads 2] [--cache ~/.cache/pdmesh/peers] [--no-llamacpp]
+        [--threads 2] [--cache ~/.cache/pdmesh/peers] [--no-llamacpp] [--lm-head]
 
 Every GPTQ variant is a checkpoint written the way `pdmesh quantize --method gptq [--no-awq]`
 writes it (shared.model.gptq.GptqEncoder into shared.model.quant_checkpoint) and loaded by the
@@ -22,6 +22,12 @@ load 1.3 -> 1.8), default settings (damp 0.1, generated calibration of 4054 toke
   MXFP4 MSE exponents                      43.44  +62%       50.25  +53%
   GPTQ (--no-awq), 54 s                    37.23  +39%       40.05  +22%
   GPTQ + AWQ (the default), 105 s          34.39  +28%       38.29  +17%
+
+With --lm-head (23:44, load 1.2 -> 1.8; the same rows above came out equal), LM head in MXFP4:
+
+  MXFP4 MSE exponents                      56.20  +109%      73.75  +125%
+  GPTQ (--no-awq --lm-head)                41.68  +55%       43.84  +34%
+  GPTQ + AWQ (--lm-head), 125 s            38.53  +43%       41.67  +27%
 
 The AWQ search's order inside a layer matters on these short texts: searching o_proj and
 down_proj first (so qkv_proj and gate_up_proj see their final producer rows) gave 36.69 /
@@ -66,15 +72,15 @@ def _sequences(source: str, model_dir: Path, tokenizer) -> list[list[int]]:
 
 
 def _gptq_checkpoint(model_dir: Path, out: Path, seqs: list[list[int]], damp: float,
-                     awq: bool) -> Path:
-    """`pdmesh quantize --method gptq [--no-awq]`'s checkpoint, on the given sequences."""
+                     awq: bool, lm_head: bool) -> Path:
+    """`pdmesh quantize --method gptq [--no-awq] [--lm-head]`'s checkpoint, on seqs."""
     from shared.model.gptq import GptqConfig, GptqEncoder
     from shared.model.quant import QuantConfig
     from shared.model.quant_checkpoint import write_quantized_checkpoint
 
-    encoder = GptqEncoder(model_dir, seqs, GptqConfig(damp=damp, awq=awq))
-    write_quantized_checkpoint(model_dir, out, QuantConfig(), packer=encoder.pack,
-                               dense=encoder.dense)
+    encoder = GptqEncoder(model_dir, seqs, GptqConfig(damp=damp, awq=awq, lm_head=lm_head))
+    write_quantized_checkpoint(model_dir, out, QuantConfig(quantize_lm_head=lm_head),
+                               packer=encoder.pack, dense=encoder.dense)
     return out
 
 
@@ -124,6 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "pdmesh" / "peers")
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp Q4_1 row")
+    p.add_argument("--lm-head", action="store_true",
+                   help="also the variants with the LM head in MXFP4 (MSE, GPTQ, GPTQ + AWQ)")
     p.add_argument("--side-llamacpp", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -157,15 +165,20 @@ def main(argv: list[str] | None = None) -> int:
         _row("llama.cpp Q4_1", _llamacpp_row(args, texts), base)
     for encoder in ("ocp", "mse"):
         _row(f"MXFP4 {encoder}", measure(ppl.load(model_dir, "bfloat16", "mxfp4", encoder)), base)
+    if args.lm_head:
+        _row("MXFP4 mse, head too",
+             measure(ppl.load(model_dir, "bfloat16", "mxfp4+lm_head", "mse")), base)
     with tempfile.TemporaryDirectory(prefix="pdmesh-gptq-") as tmp:
         for source in args.calibration:
             seqs = _sequences(source, model_dir, tok)
-            for awq in (False, True):
+            for awq, head in [(False, False), (True, False)] + (
+                    [(False, True), (True, True)] if args.lm_head else []):
                 start = time.perf_counter()
                 out = _gptq_checkpoint(model_dir, Path(tmp) / f"{len(os.listdir(tmp))}", seqs,
-                                       args.damp, awq)
-                label = (f"GPTQ{' + AWQ' if awq else ''} {Path(source).name} "
-                         f"({sum(map(len, seqs))} tok, {time.perf_counter() - start:.0f} s)")
+                                       args.damp, awq, head)
+                label = (f"GPTQ{' + AWQ' if awq else ''}{', head too' if head else ''} "
+                         f"{Path(source).name} ({sum(map(len, seqs))} tok, "
+                         f"{time.perf_counter() - start:.0f} s)")
                 _row(label, measure(ppl.load(out, "bfloat16", "dense", "ocp")), base)
     print(f"load average {os.getloadavg()[0]:.2f}")
     return 0

@@ -15,6 +15,7 @@ op that absorbs a per-channel factor exactly:
 
 o_proj's column (head h, channel d) reads kv head h // (H / KVH)'s v channel d, so its scales
 are one per kv-head channel, repeated over the group's query heads.
+A quantised LM head takes its scales the same way, from the final norm (shared.model.gptq).
 
 The search (AWQ's): s = mean|x|^alpha, normalised to geometric mean 1 of its extremes, with
 alpha on a grid over [0, 1]; the alpha that minimises the layer output's squared error

@@ -34,7 +34,7 @@ from kernels.mxfp4 import reference
 from kernels.mxfp4.gptq import DEFAULT_DAMP, quantize_gptq
 from shared.model import awq
 from shared.model.attention import AttentionMetadata
-from shared.model.llama import LlamaForCausalLM
+from shared.model.llama import LlamaForCausalLM, RMSNorm
 from shared.model.loader import load_model
 
 Packed = tuple[torch.Tensor, torch.Tensor]  # (blocks uint8 [out, in/32, 16], scales [out, in/32])
@@ -159,10 +159,11 @@ class Calibrated:
 
     packed: dict[str, Packed]
     folded: dict[int, awq.Folded]
+    head_alpha: float = 0.0  # the LM head's fold into the final norm (0: none)
 
     def changed_params(self) -> set[str]:
         """Our dense parameters the fold rewrote (norm weights; a v or up bias)."""
-        out: set[str] = set()
+        out: set[str] = {"norm.weight"} if self.head_alpha > 0 else set()
         for i, fold in self.folded.items():
             if fold.alpha["self_attn.qkv_proj"] > 0:
                 out.add(f"layers.{i}.input_layernorm.weight")
@@ -224,8 +225,29 @@ def calibrate(model: LlamaForCausalLM, sequences: Sequence[list[int]],
         head = _Hessians({})
         for h in hidden:
             head.add("lm_head", model.norm(h).to(torch.float64))
+        head_alpha = _fold_head(model, head, config) if config.awq else 0.0
         packed["lm_head"] = quantize_gptq(model.lm_head.weight, head.mean("lm_head"), config.damp)
+        return Calibrated(packed, folded, head_alpha)
     return Calibrated(packed, folded)
+
+
+def _fold_head(model: LlamaForCausalLM, head: _Hessians, config: GptqConfig) -> float:
+    """Fold the LM head's activation-aware scales into the final norm (a plain RMSNorm only);
+    the alpha chosen. A tied head is untied first: the embedding stays as stored, and the
+    checkpoint keeps it beside the packed head (shared.model.quant_checkpoint)."""
+    assert model.lm_head is not None and model.norm is not None
+    if type(model.norm) is not RMSNorm:
+        return 0.0
+    if model.embed_tokens is not None and model.lm_head.weight is model.embed_tokens.weight:
+        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone(),
+                                            requires_grad=False)
+    alpha, _, s = awq.search_scales(model.lm_head.weight.float(), head.stats("lm_head"),
+                                    config.awq_grid)
+    if alpha > 0:
+        model.lm_head.weight.mul_(s)
+        model.norm.weight.div_(s)
+        head.rescale("lm_head", s)
+    return alpha
 
 
 class GptqEncoder:

@@ -86,8 +86,14 @@ def test_calibrate_folds_where_it_helps_and_the_model_keeps_its_function(make_ch
     tok = Tokenizer(path)
     ids = tok.encode(EVALUATION)
     before = logits(model, ids)
-    result = calibrate(model, [tok.encode(CALIBRATION)], GptqConfig(sequential=False))
+    embedding = model.embed_tokens.weight.clone()
+    result = calibrate(model, [tok.encode(CALIBRATION)],
+                       GptqConfig(sequential=False, lm_head=True))
     assert sorted(result.folded) == [0, 1]
+    # The tied head took its own scales (folded into the final norm); the embedding did not.
+    assert result.head_alpha > 0 and "norm.weight" in result.changed_params()
+    assert model.lm_head.weight is not model.embed_tokens.weight
+    assert torch.equal(model.embed_tokens.weight, embedding)
     for fold in result.folded.values():
         assert all(0 <= r <= 1 for r in fold.relative_error.values())
     torch.testing.assert_close(logits(model, ids), before, rtol=1e-4, atol=1e-4)
