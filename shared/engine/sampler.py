@@ -29,6 +29,16 @@ _MASK64 = (1 << 64) - 1
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, V] -> int64 [B]: the first index of each row's maximum (a NaN counts as the
+    maximum), as torch.argmax(x, -1). NumPy's vectorised argmax for a CPU float32 tensor:
+    torch's is scalar on CPU (SmolLM2's 49,152 logits: 4 us against 58 us for one row, 60
+    against 1,013 us for 16)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+        return x.argmax(-1)
+    return torch.from_numpy(x.contiguous().numpy().argmax(-1))
+
+
 def mix_seed(seed: int, position: int) -> int:
     """splitmix64 of (seed, position), folded to a non-negative 63-bit generator seed."""
     x = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK64
@@ -191,13 +201,13 @@ class Sampler:
             logits = logits.index_put(st.banned, torch.tensor(float("-inf")))
         if st.grammar is not None:
             logits = st.grammar.apply(logits)
-        tokens = logits.argmax(-1) if st.all_greedy else self._random(logits, st)
+        tokens = argmax_rows(logits) if st.all_greedy else self._random(logits, st)
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, _logprobs(raw, tokens, st) if raw is not None else None)
 
     def _random(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         any_greedy = bool(st.greedy.any())
-        greedy_tokens = logits.argmax(-1) if any_greedy else None
+        greedy_tokens = argmax_rows(logits) if any_greedy else None
         logits = logits / st.temperature[:, None]
         if st.min_p is not None:
             logits = apply_min_p(logits, st.min_p)
@@ -211,7 +221,7 @@ class Sampler:
             q.exponential_(generator=self.generator)
         for row, seed in st.seeded:
             q[row].exponential_(generator=self._row_generator.manual_seed(seed))
-        sampled = probs.div_(q).argmax(-1)
+        sampled = argmax_rows(probs.div_(q))
         if greedy_tokens is not None:
             sampled = torch.where(st.greedy, greedy_tokens, sampled)
         return sampled

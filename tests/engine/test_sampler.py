@@ -17,6 +17,7 @@ from shared.engine.sampler import (
     apply_penalties,
     apply_top_k,
     apply_top_p,
+    argmax_rows,
 )
 from shared.engine.sampling_params import SamplingParams
 
@@ -107,6 +108,24 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
             request(SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True), [1], [])]
     out = Sampler()(logits, SamplingTensors.from_requests(reqs, V))
     assert out.token_ids == [4, 2, 2]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_argmax_rows_equals_torch_argmax(seed):
+    """First index of the maximum, ties, infinities and NaN (the maximum) included, for the
+    NumPy path (contiguous or not) and the torch fallback (other dtypes)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (9, 40), generator=g).float()  # many ties
+    x[1, 7] = math.inf
+    x[2, 3], x[2, 30] = math.inf, math.inf
+    x[3] = -math.inf
+    x[4, 11], x[4, 20] = math.nan, math.nan
+    x[5, 2] = math.nan
+    x[5, 9] = math.inf
+    for t in (x, x.T.contiguous().T, x[:, ::2], x.double(), x.bfloat16()):
+        want = t.argmax(-1)
+        got = argmax_rows(t)
+        assert got.dtype == torch.int64 and torch.equal(got, want), (t.dtype, got, want)
 
 
 def test_greedy_is_exact_argmax_and_mixed_batches_keep_it():
