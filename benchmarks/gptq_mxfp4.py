@@ -29,6 +29,10 @@ With --lm-head (23:44, load 1.2 -> 1.8; the same rows above came out equal), LM 
   GPTQ (--no-awq --lm-head)                41.68  +55%       43.84  +34%
   GPTQ + AWQ (--lm-head), 125 s            38.53  +43%       41.67  +27%
 
+Since the search measures at most 4,096 evenly spaced rows of a weight (shared/model/awq.py
+SEARCH_ROWS: the head's 49,152 rows were all measured before), the head variant took 114 s
+with the same figures (00:35 run, every row above equal).
+
 The AWQ search's order inside a layer matters on these short texts: searching o_proj and
 down_proj first (so qkv_proj and gate_up_proj see their final producer rows) gave 36.69 /
 38.78; the order kept is AWQ's own (each group searched on the layer as it stands, qkv first).

@@ -178,11 +178,13 @@ class Calibrated:
 
 @torch.inference_mode()
 def calibrate(model: LlamaForCausalLM, sequences: Sequence[list[int]],
-              config: GptqConfig) -> Calibrated:
+              config: GptqConfig, progress: bool = False) -> Calibrated:
     """model (dense, fp32; with config.awq its norms and producer rows take the folded scales,
     and its decoder linears are overwritten with their quantised values when
     config.sequential) -> the packed GPTQ weight of every decoder nn.Linear and, with
-    config.lm_head, the LM head."""
+    config.lm_head, the LM head. progress: a bar over the layers on stderr."""
+    from tqdm import tqdm
+
     if model.config.moe is not None:
         raise ValueError("gptq calibrates dense decoder linears only; routed experts (MoE) "
                          "have no per-expert Hessian here: use --method mse")
@@ -197,7 +199,8 @@ def calibrate(model: LlamaForCausalLM, sequences: Sequence[list[int]],
 
     packed: dict[str, Packed] = {}
     folded: dict[int, awq.Folded] = {}
-    for i, layer in enumerate(model.layers):
+    layers = tqdm(model.layers, desc="pdmesh: gptq", unit="layer", disable=not progress)
+    for i, layer in enumerate(layers):
         linears = _linears(layer)
         hessians = _Hessians(dict(linears))
         try:
@@ -259,11 +262,11 @@ class GptqEncoder:
     """
 
     def __init__(self, model_dir: Path, sequences: Sequence[list[int]],
-                 config: GptqConfig) -> None:
+                 config: GptqConfig, progress: bool = False) -> None:
         model, _ = load_model(model_dir, "float32")
         self.config = config
         self._rows = model.linear_rows()  # HF name -> (module, lo, hi)
-        calibrated = calibrate(model, sequences, config)
+        calibrated = calibrate(model, sequences, config, progress)
         self._packed = calibrated.packed
         self.folded = calibrated.folded
         # HF name -> fp32 value, for the dense tensors the fold rewrote

@@ -54,6 +54,20 @@ def test_search_never_worse_and_scales_the_loud_channels() -> None:
     assert awq.search_scales(w, flat, grid=20)[:2] == (0.0, 1.0)
 
 
+def test_search_measures_an_even_row_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tall W (an LM head, a big model's gate/up) is measured on SEARCH_ROWS evenly spaced
+    rows: the relative error reported is that of the sample."""
+    monkeypatch.setattr(awq, "SEARCH_ROWS", 16)
+    torch.manual_seed(1)
+    w = torch.randn(64, 128)
+    stats = loud_stats(128, seed=2)
+    alpha, rel, s = awq.search_scales(w, stats, grid=20)
+    sample, h = w[::4], stats.hessian.float()
+    assert alpha > 0
+    assert awq.output_error(sample, h, s) == pytest.approx(
+        rel * awq.output_error(sample, h, torch.ones(128)))
+
+
 @pytest.mark.parametrize("spec", PRE_NORM, ids=lambda s: "-".join(map(str, s.values())))
 def test_fold_keeps_the_dense_function(make_checkpoint, spec) -> None:
     model, _ = load_model(make_checkpoint(preset="tiny", seed=3, **spec), "float32")
