@@ -6,8 +6,8 @@ repeated, every logprob at the floor). The guard runs on every step that samples
 over the step's [R, V] logits (finite only if every element is: a NaN or an inf makes it NaN
 or inf; measured 6 us for one row of SmolLM2's 49,152 against 90 us for `isfinite().all()`,
 25 us against 940 us for 16 rows), and only when that is not finite a per-row pass to name
-the rows (none, when finite values merely overflowed the sum). Those rows are filled with zeros (so the batch's sampler
-tensors stay finite) and the engine fails exactly those requests.
+the rows (none, when finite values merely overflowed the sum). Those rows are filled with
+zeros (so the batch's sampler tensors stay finite) and the engine fails exactly those requests.
 
 It also keeps what /metrics and /health report: how many requests failed so, and when the
 latest did (None again once a later step sampled only finite logits: the model is usable).
@@ -42,12 +42,10 @@ class LogitsGuard:
     def check(self, logits: torch.Tensor) -> CheckedLogits:
         """logits [R, V] fp32 -> the same tensor when all finite (one reduction, no copy),
         else a copy with the bad rows zeroed and their indices."""
-        if math.isfinite(float(logits.sum(dtype=torch.float32))):
-            self.last_non_finite_at = None
-            return CheckedLogits(logits, ())
-        bad = ~torch.isfinite(logits).all(dim=1)  # [R] bool
-        rows = tuple(bad.nonzero()[:, 0].tolist())
-        if not rows:  # finite values whose sum overflowed
+        bad = (None if math.isfinite(float(logits.sum(dtype=torch.float32)))
+               else ~torch.isfinite(logits).all(dim=1))  # [R] bool
+        rows = () if bad is None else tuple(bad.nonzero()[:, 0].tolist())
+        if bad is None or not rows:  # all finite (a sum may overflow on finite values)
             self.last_non_finite_at = None
             return CheckedLogits(logits, ())
         self.num_non_finite += len(rows)

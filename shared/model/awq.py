@@ -60,11 +60,14 @@ class InputStats:
 @dataclass(frozen=True)
 class Folded:
     """What `fold_layer` did: the alpha chosen per linear (0: left unscaled), the output error
-    it reached relative to unscaled, and each linear's input scales s [in] (x' = x / s)."""
+    it reached relative to unscaled, each linear's input scales s [in] (x' = x / s), and the
+    layer's dense parameters it rewrote besides the linears' weights ("input_layernorm.weight",
+    "self_attn.qkv_proj.bias"...)."""
 
     alpha: dict[str, float]
     relative_error: dict[str, float]
     scales: dict[str, torch.Tensor]
+    changed: tuple[str, ...]
 
 
 def foldable(layer: nn.Module) -> TypeGuard[DecoderLayer]:
@@ -128,20 +131,29 @@ def fold_layer(layer: DecoderLayer, config: ModelConfig, stats: dict[str, InputS
         if mlp.gate_up_proj.bias is not None:
             mlp.gate_up_proj.bias[inter:].div_(s)
 
+    def bias(linear: nn.Linear, name: str) -> tuple[str, ...]:
+        return (name,) if linear.bias is not None else ()
+
+    # linear -> (module, its producer's fold, the scales' tie, the dense parameters it rewrites)
     producers: dict[str, tuple[nn.Linear, Callable[[torch.Tensor], object],
-                               Callable[[torch.Tensor], torch.Tensor]]] = {
-        "self_attn.o_proj": (attn.o_proj, o_producer, per_kv_channel),
-        "mlp.down_proj": (mlp.down_proj, down_producer, lambda m: m),
-        "self_attn.qkv_proj": (attn.qkv_proj, layer.input_layernorm.weight.div_, lambda m: m),
+                               Callable[[torch.Tensor], torch.Tensor], tuple[str, ...]]] = {
+        "self_attn.o_proj": (attn.o_proj, o_producer, per_kv_channel,
+                             bias(attn.qkv_proj, "self_attn.qkv_proj.bias")),
+        "mlp.down_proj": (mlp.down_proj, down_producer, lambda m: m,
+                          bias(mlp.gate_up_proj, "mlp.gate_up_proj.bias")),
+        "self_attn.qkv_proj": (attn.qkv_proj, layer.input_layernorm.weight.div_, lambda m: m,
+                               ("input_layernorm.weight",)),
         "mlp.gate_up_proj": (mlp.gate_up_proj, layer.post_attention_layernorm.weight.div_,
-                             lambda m: m),
+                             lambda m: m, ("post_attention_layernorm.weight",)),
     }
     alphas, errors, scales = {}, {}, {}
+    changed: list[str] = []
     for name in GROUPS:
-        linear, producer, tie = producers[name]
+        linear, producer, tie, params = producers[name]
         alpha, rel, s = search_scales(linear.weight.float(), stats[name], grid, tie)
         alphas[name], errors[name], scales[name] = alpha, rel, s
         if alpha > 0:
             linear.weight.mul_(s.to(linear.weight.dtype))
             producer(s.to(linear.weight.dtype))
-    return Folded(alphas, errors, scales)
+            changed += params
+    return Folded(alphas, errors, scales, tuple(changed))

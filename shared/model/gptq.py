@@ -163,17 +163,9 @@ class Calibrated:
 
     def changed_params(self) -> set[str]:
         """Our dense parameters the fold rewrote (norm weights; a v or up bias)."""
-        out: set[str] = {"norm.weight"} if self.head_alpha > 0 else set()
-        for i, fold in self.folded.items():
-            if fold.alpha["self_attn.qkv_proj"] > 0:
-                out.add(f"layers.{i}.input_layernorm.weight")
-            if fold.alpha["mlp.gate_up_proj"] > 0:
-                out.add(f"layers.{i}.post_attention_layernorm.weight")
-            if fold.alpha["self_attn.o_proj"] > 0:
-                out.add(f"layers.{i}.self_attn.qkv_proj.bias")
-            if fold.alpha["mlp.down_proj"] > 0:
-                out.add(f"layers.{i}.mlp.gate_up_proj.bias")
-        return out
+        head = {"norm.weight"} if self.head_alpha > 0 else set()
+        return head | {f"layers.{i}.{name}" for i, fold in self.folded.items()
+                       for name in fold.changed}
 
 
 @torch.inference_mode()
