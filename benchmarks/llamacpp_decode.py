@@ -1,7 +1,8 @@
 """Single-stream decode tok/s: pdmesh (bf16, MXFP4) against llama.cpp (Q4_1, bf16), one run.
 
     .venv/bin/python benchmarks/llamacpp_decode.py [--rounds 3] [--threads 2]
-        [--systems pdmesh-bf16,pdmesh-mxfp4,pdmesh-mxfp4-head,llamacpp-q4_1,llamacpp-bf16]
+        [--systems pdmesh-bf16,pdmesh-mxfp4,pdmesh-mxfp4-head,llamacpp-q4_1,llamacpp-bf16,
+                   pdmesh-bf16-noscreen,pdmesh-mxfp4-noscreen]
         [--cache ~/.cache/pdmesh/peers] [--decode-tokens 128] [--json out.json]
 
 Issue #7's end-to-end figure. Every system runs in its own fresh subprocess per round (pdmesh
@@ -29,7 +30,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 # pdmesh-mxfp4-head: the LM head in MXFP4 too (llama.cpp's Q4_1 file keeps its head at Q8_0).
+# *-noscreen: greedy tokens from the whole bf16 head (EngineConfig.greedy_screen off), not from
+# its int8 screen (kernels/dense/greedy_head.py); the tokens are the same. Not in the default.
 SYSTEMS = ("pdmesh-bf16", "pdmesh-mxfp4", "pdmesh-mxfp4-head", "llamacpp-q4_1", "llamacpp-bf16")
+ALL_SYSTEMS = (*SYSTEMS, "pdmesh-bf16-noscreen", "pdmesh-mxfp4-noscreen")
 VOCAB_LOW, VOCAB_HIGH = 100, 40000  # plain-text token ids of SmolLM2's vocabulary
 PROMPT_LEN = 16
 
@@ -45,7 +49,8 @@ def decode_rate(stamps: list[float]) -> float:
 
 
 # ---- children: one system each, printing one JSON line ---------------------------------------
-def child_pdmesh(args: argparse.Namespace, quantization: str | None, head: bool) -> list[float]:
+def child_pdmesh(args: argparse.Namespace, quantization: str | None, head: bool,
+                 screen: bool) -> list[float]:
     sys.path.insert(0, str(ROOT))
     from shared.config import EngineConfig
     from shared.engine.engine import LLMEngine
@@ -53,7 +58,8 @@ def child_pdmesh(args: argparse.Namespace, quantization: str | None, head: bool)
 
     engine = LLMEngine.from_config(EngineConfig(
         model="smollm2-135m-instruct", dtype="bfloat16", num_threads=args.threads,
-        quantization=quantization, quantize_lm_head=head, enable_prefix_caching=False))
+        quantization=quantization, quantize_lm_head=head, enable_prefix_caching=False,
+        greedy_screen=screen))
     engine.warmup()
 
     def once(seed: int, n: int) -> list[float]:
@@ -127,10 +133,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "pdmesh" / "peers")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
-    p.add_argument("--side", choices=SYSTEMS, help=argparse.SUPPRESS)
+    p.add_argument("--side", choices=ALL_SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--gguf", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    unknown = set(args.systems.split(",")) - set(SYSTEMS)
+    unknown = set(args.systems.split(",")) - set(ALL_SYSTEMS)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}")
     return args
@@ -141,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.side:
         if args.side.startswith("pdmesh"):
             rates = child_pdmesh(args, "mxfp4" if "mxfp4" in args.side else None,
-                                 args.side.endswith("-head"))
+                                 args.side.endswith("-head"), not args.side.endswith("-noscreen"))
         else:
             rates = child_llama(args, args.gguf)
         print(json.dumps(rates))

@@ -133,6 +133,10 @@ class EngineConfig:
     # With quantization: how block exponents are chosen ("ocp" | "mse"; None: the default,
     # shared.model.quant.DEFAULT_ENCODER). A run-time weight transform, so it is hashed.
     quant_encoder: str | None = None
+    # Greedy rows take their token from the LM head's int8 screen plus the few head rows that
+    # could win (kernels/dense/greedy_head.py): the same token, fewer bytes read per step,
+    # half the head's size in memory. Off: every row reads the whole head.
+    greedy_screen: bool = True
     seed: int = 0
     cache_dir: Path | None = None  # None: default_cache_dir()
     # The highest kernel tier automatic dispatch may pick ("auto": the CPU's best). Defaults to

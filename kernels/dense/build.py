@@ -19,12 +19,13 @@ __all__ = ["NAMESPACE", "RECIPE", "BuildConfig", "BuildResult", "BuildState", "l
 CSRC = Path(__file__).parent / "csrc"
 NAMESPACE = "pdmesh_dense"  # extension name and torch.ops namespace
 # ops.cpp: features() and linear(); layer_ops.cpp: the fused decoder layer (kernels/dense/layer.py);
-# decode_team.cpp: a decode step's every layer in one parallel region.
+# decode_team.cpp: a decode step's every layer in one parallel region; greedy_head.cpp (with the
+# screen_*.cpp kernels): the greedy token of an LM head from its int8 screen.
 # Every TU is compiled on every x86-64 CPU: the kernel TUs hold their tier's code in
 # `#pragma GCC target` regions, and the ops check the CPU before calling in.
-SOURCES = ("ops.cpp", "layer_ops.cpp", "decode_team.cpp",
-           "gemv_avx512.cpp", "layer_avx512.cpp", "attend_avx512.cpp",
-           "gemv_avx2.cpp", "layer_avx2.cpp", "attend_avx2.cpp")
+SOURCES = ("ops.cpp", "layer_ops.cpp", "decode_team.cpp", "greedy_head.cpp",
+           "gemv_avx512.cpp", "layer_avx512.cpp", "attend_avx512.cpp", "screen_avx512.cpp",
+           "gemv_avx2.cpp", "layer_avx2.cpp", "attend_avx2.cpp", "screen_avx2.cpp")
 RECIPE = Recipe(NAMESPACE, CSRC, SOURCES, Path(__file__), fallback="torch's F.linear")
 
 

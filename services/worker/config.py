@@ -215,6 +215,7 @@ def _engine_config(args: argparse.Namespace, environ: Mapping[str, str],
         quantization=args.quantization,
         quantize_lm_head=args.quantize_lm_head,
         quant_encoder=args.quant_encoder,
+        greedy_screen=not args.no_greedy_screen,
         seed=args.seed,
         kernel_tier=kernel_tier,
         speculative_config=SpeculativeConfig.parse(  # typed here; EngineConfig re-parses
@@ -303,6 +304,10 @@ def _add_engine_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> N
                      help="with --quantization: how block exponents are picked (ocp: the OCP "
                           "rule; mse: least squared error per block; default mse); gptq is "
                           "refused here: it needs calibration (`pdmesh quantize --method gptq`)")
+    eng.add_argument("--no-greedy-screen", action="store_true",
+                     help="greedy rows read the whole LM head (default: an int8 screen of it "
+                          "plus the few rows that could win; the same tokens, fewer bytes per "
+                          "step, half the head's size in memory)")
     eng.add_argument("--seed", type=int, default=d.seed)
     eng.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
                      help=f"highest native kernel tier to use (default: ${KERNEL_TIER_ENV}, "

@@ -7,10 +7,14 @@ owns) take it from one place without importing each other.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from shared.config import EngineConfig
+
+if TYPE_CHECKING:
+    from kernels.dense.greedy_head import GreedyHead
 
 log = logging.getLogger(__name__)
 
@@ -87,3 +91,26 @@ def prebuild_gemm_shapes(model: torch.nn.Module, config: EngineConfig) -> int:
             module(torch.zeros(rows, module.in_features, dtype=torch.bfloat16))
             runs += 1
     return runs
+
+
+def greedy_head(model: object, config: EngineConfig) -> GreedyHead | None:
+    """The screened greedy head of `model`'s LM head (kernels/dense/greedy_head.py), or None:
+    config.greedy_screen off, a model whose logits are more than the head's output (Gemma's
+    soft-cap), no LM head on this stage, or a head the dense C++ kernels do not run (MXFP4,
+    fp32, no compiler). Built once per runner; its int8 copy is half the head's bytes."""
+    if not config.greedy_screen or not getattr(model, "logits_are_head_output", False):
+        return None
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, torch.nn.Module):
+        return None
+    from kernels.dense.greedy_head import GreedyHead
+
+    if not GreedyHead.takes(head):
+        return None
+    try:
+        screen = GreedyHead(head)
+    except ValueError as exc:  # non-finite weights: the full head runs, the guard reports
+        log.warning("greedy head: not screened (%s)", exc)
+        return None
+    log.info("greedy head: %s", screen.extra_repr())
+    return screen

@@ -16,9 +16,11 @@ from typing import Protocol
 import torch
 
 from shared.config import EngineConfig
+from shared.engine.accelerate import greedy_head
 from shared.engine.logits_guard import LogitsGuard
 from shared.engine.outputs import TokenLogprob
-from shared.engine.sampler import Sampler, SamplingTensors
+from shared.engine.request import Request
+from shared.engine.sampler import Sampler, SamplerOutput, SamplingTensors
 from shared.engine.scheduler import ScheduledBatch
 from shared.model.attention import AttentionMetadata
 from shared.model.config import ModelConfig
@@ -110,7 +112,10 @@ class ModelRunner:
         # zeros, not empty: padded attention slots read block 0, and 0 * NaN garbage would
         # poison the softmax-weighted sum even where the mask gives weight 0.
         self.kv_cache = torch.zeros(geometry.cache_shape(self.num_blocks), dtype=geometry.dtype)
-        self.weights_bytes = tensor_bytes(model) if isinstance(model, torch.nn.Module) else 0
+        # Plain-greedy rows' tokens without the full head's logits (None: not for this model).
+        self.greedy_head = greedy_head(model, config)
+        self.weights_bytes = ((tensor_bytes(model) if isinstance(model, torch.nn.Module) else 0)
+                              + (tensor_bytes(self.greedy_head) if self.greedy_head else 0))
         self.sampler = Sampler(config.seed)
         self.logits_guard = LogitsGuard()
         # Test-only: when set, called with every batch before its forward, on the engine
@@ -157,11 +162,9 @@ class ModelRunner:
                 pick += range(end - d - 1, end)
         if not owner:
             return RunnerOutput(tokens, logprobs)
-        logits = self.model.compute_logits(hidden[pick] if len(pick) < len(hidden) else hidden)
-        checked = self.logits_guard.check(logits)  # NaN/inf rows: sampled from zeros, dropped
         spec = bool(batch.draft_token_ids)
-        out = self.sampler(checked.logits, SamplingTensors.from_requests(
-            [reqs[i] for i in owner], checked.logits.shape[1], offset if spec else None))
+        out, bad_rows = self._tokens(hidden[pick] if len(pick) < len(hidden) else hidden,
+                                     [reqs[i] for i in owner], offset if spec else None)
         samples: list[list[int]] = [[] for _ in reqs] if spec else []
         for j, i in enumerate(owner):
             if offset[j] == 0:
@@ -170,10 +173,28 @@ class ModelRunner:
                     logprobs[i] = out.logprobs[j]
             if spec and batch.draft(i):
                 samples[i].append(out.token_ids[j])
-        bad = sorted({owner[j] for j in checked.bad_rows})
+        bad = sorted({owner[j] for j in bad_rows})
         for i in bad:
             tokens[i] = logprobs[i] = None
         return RunnerOutput(tokens, logprobs, tuple(bad), tuple(samples))
+
+    def _tokens(self, rows: torch.Tensor, requests: list[Request], offsets: list[int] | None
+                ) -> tuple[SamplerOutput, tuple[int, ...]]:
+        """One token per hidden row ([N, hidden], row j for requests[j]) and the rows whose
+        logits were not finite. When every row's token is the plain argmax, the screened
+        head picks it without the logits (the same token); otherwise, or when the screen
+        cannot settle a row (non-finite values), the full head and the sampler run."""
+        st = None
+        screen = self.greedy_head
+        if screen is not None and len(rows) <= screen.max_rows:
+            st = SamplingTensors.from_requests(requests, screen.vocab_size, offsets)
+            if st.plain_greedy and (picked := screen(rows)) is not None:
+                return SamplerOutput(picked.tolist(), None), ()
+        logits = self.model.compute_logits(rows)
+        checked = self.logits_guard.check(logits)  # NaN/inf rows: sampled from zeros, dropped
+        if st is None:
+            st = SamplingTensors.from_requests(requests, checked.logits.shape[1], offsets)
+        return self.sampler(checked.logits, st), checked.bad_rows
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:

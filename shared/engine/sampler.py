@@ -74,6 +74,13 @@ class SamplingTensors:
     num_logprobs: list[int | None]
     grammar: GrammarMask | None = None  # rows with an active structured-output grammar
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row's token is the plain argmax of its logits: greedy, with no penalty, ban,
+        grammar mask or logprobs (so a screened LM head may pick it without the logits)."""
+        return (self.all_greedy and self.penalties is None and self.banned is None
+                and self.grammar is None and all(n is None for n in self.num_logprobs))
+
     @staticmethod
     def from_requests(requests: list[Request], vocab_size: int,
                       offsets: list[int] | None = None) -> SamplingTensors:

@@ -110,6 +110,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
     Gemma layers and final norm, the embedding scale, the sliding layers' own RoPE table, and
     final-logit soft-capping. Runs the plain-torch path only (see the module docstring)."""
 
+    logits_are_head_output = False  # soft-capped: tanh can tie logits the head kept apart
+
     def __init__(self, config: ModelConfig, layer_range: tuple[int, int] | None = None,
                  **kw: Any) -> None:
         super().__init__(config, layer_range, **kw)

@@ -242,6 +242,10 @@ class LlamaForCausalLM(HFWeightLoading):
     Parameters start uninitialised: call `load_weights` before use.
     """
 
+    # compute_logits is lm_head's output widened to fp32, nothing more: the greedy token may
+    # come from the screened head (kernels/dense/greedy_head.py) instead. Gemma soft-caps.
+    logits_are_head_output: bool = True
+
     def __init__(self, config: ModelConfig, layer_range: tuple[int, int] | None = None,
                  *, dtype: torch.dtype = torch.float32,
                  quantization: QuantConfig | None = None) -> None:

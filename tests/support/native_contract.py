@@ -46,7 +46,8 @@ class PositionStats:
 class LogitRecorder:
     """Wraps an engine's runner to keep, per request id, every sampled token and the fp32
     logits [V] it was sampled from (runner rows map back to requests in batch order). One per
-    engine: a second would record through the first."""
+    engine: a second would record through the first. Where the screened greedy head picked a
+    token without logits, the full head computes them here, and its argmax must be that token."""
 
     def __init__(self, engine: LLMEngine) -> None:
         if getattr(engine.runner, "recorded", False):
@@ -77,6 +78,18 @@ class LogitRecorder:
         model.compute_logits = recording_logits  # instance attributes shadow the methods
         runner.execute = recording_execute
         runner.recorded = True
+        screen = runner.greedy_head
+        if screen is not None:  # greedy rows skip the logits: record them anyway, and check
+            pick = screen.forward
+
+            def checked_pick(hidden: torch.Tensor) -> torch.Tensor | None:
+                tokens = pick(hidden)
+                if tokens is not None:
+                    logits = recording_logits(hidden)
+                    assert torch.equal(tokens, logits.argmax(-1)), "screen != the head's argmax"
+                return tokens
+
+            screen.forward = checked_pick
 
     def stacked(self, request_id: str) -> torch.Tensor:
         """logits [N, V] of request_id's N sampled tokens."""

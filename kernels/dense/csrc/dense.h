@@ -63,4 +63,49 @@ void gemv_fma_avx2(const GemvArgs& a, int64_t n0, int64_t n1);
 void reorder_x_avx2(const float* xf, const uint16_t* xb, int64_t m, int64_t k, int64_t kpad,
                     float* out);
 
+// The greedy head's screen (greedy_head.cpp). For head rows n in [n0, n1) and x rows r:
+//   dot = q[n, :] . xq[r, :], summed exactly in int32 (q int8 [n, kpad], xq int16 [m, kpad],
+//         both zero-padded to kpad, a multiple of kScreenChunk; the caller's x scale keeps
+//         every partial sum inside int32), so every tier and split gives the same dots;
+//   approx = dot * (scale[n] * xs[r]);  bound = a[n] * xnorm[r] + b[n] * xresid[r] + 1e-20;
+//   best[r] = max(best[r], approx - bound) (running, in and out);
+//   row n is kept when approx + bound >= cut(best[r]) at that point (cut: below), written to
+//   cand[r * n_total + n0 + j] (upper[...] = approx + bound), j < count[r] (out).
+// best only rises and cut is monotone, so a row dropped here fails the final, global cut too.
+constexpr int64_t kScreenChunk = 32;
+struct ScreenArgs {
+  const int8_t* q;     // [n, kpad]
+  const int16_t* xq;   // [m, kpad]
+  const float* scale;  // [n] per head row: s
+  const float* a;      // [n] bound per unit |x|
+  const float* b;      // [n] bound per unit |x - xs xq|
+  const float* xs;     // [m] x scales
+  const float* xnorm;  // [m] |x|, rounded up
+  const float* xresid; // [m] |x - xs xq|, rounded up
+  int32_t* cand;       // [m, n] candidate columns (each call writes its own [n0, n1) part)
+  float* upper;        // [m, n] their approx + bound
+  int64_t m, n, kpad;
+};
+// The candidate cut for a best lower bound: within 1/32 (several bf16 ulps, see greedy_head.cpp).
+static inline float screen_cut(float best) {
+  return best - (best < 0 ? -best : best) * (1.0f / 32) - 1e-20f;
+}
+// The scalar end of a screened (x row, head row) pair, shared by both tiers: approx, bound,
+// the running best, and the survivor list (see above).
+static inline void screen_keep(const ScreenArgs& a, int64_t x, int64_t n, int64_t n0,
+                               int32_t dot, float* best, int64_t* count) {
+  const float approx = static_cast<float>(dot) * (a.scale[n] * a.xs[x]);
+  const float bound = a.a[n] * a.xnorm[x] + a.b[n] * a.xresid[x] + 1e-20f;
+  const float lo = approx - bound, up = approx + bound;
+  if (lo > best[x]) best[x] = lo;
+  if (up >= screen_cut(best[x])) {
+    const int64_t slot = x * a.n + n0 + count[x]++;
+    a.cand[slot] = static_cast<int32_t>(n);
+    a.upper[slot] = up;
+  }
+}
+// Call only when cpu_features() allows the tier; best and count are [m].
+void screen_avx512(const ScreenArgs& a, int64_t n0, int64_t n1, float* best, int64_t* count);
+void screen_avx2(const ScreenArgs& a, int64_t n0, int64_t n1, float* best, int64_t* count);
+
 }  // namespace pdmesh_dense
