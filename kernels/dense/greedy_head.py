@@ -104,15 +104,16 @@ class GreedyHead(nn.Module):
                 and head.path.takes_weight(head.weight, None)
                 and hasattr(head.path.library.ops, "greedy_head"))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden bf16 [N, K], N <= MAX_ROWS -> int64 [N] argmax of the head's logits, or None.
-        Exact for any N; callers screen only up to max_rows, where it is also faster."""
+    def forward(self, hidden: torch.Tensor) -> list[int] | None:
+        """hidden bf16 [N, K], N <= MAX_ROWS -> the N token ids argmax of the head's logits
+        gives, or None. Exact for any N; callers screen only up to max_rows, where it is also
+        faster."""
         if hidden.dim() != 2 or hidden.dtype != torch.bfloat16 or not 1 <= len(hidden) <= MAX_ROWS:
             raise ValueError(f"greedy head: expected bf16 [1..{MAX_ROWS}, K], got "
                              f"{hidden.dtype} {tuple(hidden.shape)}")
-        tokens: torch.Tensor = self._op(hidden.contiguous(), self.head[0].weight, self.q,
-                                        self.coef, self._path_id)
-        return None if bool((tokens < 0).any()) else tokens
+        tokens: list[int] = self._op(hidden.contiguous(), self.head[0].weight, self.q, self.coef,
+                                     self._path_id).tolist()
+        return None if min(tokens) < 0 else tokens  # (a torch op here costs a parallel region)
 
     def extra_repr(self) -> str:
         return f"vocab={self.vocab_size}, int8 screen {math.prod(self.q.shape) / 2**20:.1f} MiB"

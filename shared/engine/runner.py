@@ -189,7 +189,7 @@ class ModelRunner:
         if screen is not None and len(rows) <= screen.max_rows:
             st = SamplingTensors.from_requests(requests, screen.vocab_size, offsets)
             if st.plain_greedy and (picked := screen(rows)) is not None:
-                return SamplerOutput(picked.tolist(), None), ()
+                return SamplerOutput(picked, None), ()
         logits = self.model.compute_logits(rows)
         checked = self.logits_guard.check(logits)  # NaN/inf rows: sampled from zeros, dropped
         if st is None:

@@ -7,6 +7,7 @@ chat_template.jinja when present (transformers' newer layout), else tokenizer_co
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -97,9 +98,10 @@ class Tokenizer:
         ids = _id_list(fallback)
         return ids[0] if ids else None
 
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
-        """Number of ids the tokenizer can produce (added tokens included)."""
+        """Number of ids the tokenizer can produce (added tokens included); fixed once loaded
+        (decode asks for it at every step)."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -82,11 +82,11 @@ class LogitRecorder:
         if screen is not None:  # greedy rows skip the logits: record them anyway, and check
             pick = screen.forward
 
-            def checked_pick(hidden: torch.Tensor) -> torch.Tensor | None:
+            def checked_pick(hidden: torch.Tensor) -> list[int] | None:
                 tokens = pick(hidden)
                 if tokens is not None:
                     logits = recording_logits(hidden)
-                    assert torch.equal(tokens, logits.argmax(-1)), "screen != the head's argmax"
+                    assert tokens == logits.argmax(-1).tolist(), "screen != the head's argmax"
                 return tokens
 
             screen.forward = checked_pick
