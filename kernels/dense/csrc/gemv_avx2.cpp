@@ -207,8 +207,11 @@ void gemv_fma_avx2(const GemvArgs& a, int64_t n0, int64_t n1) {
   const int64_t x_bytes = a.m * a.kpad * 4;
   if (a.m >= 2 && x_bytes > kStreamingMaxXBytes) {
     run_table(a, n0, n1, kBlocked, 8);
-  } else {
-    run_table(a, n0, n1, kStreaming, 1);
+  } else {  // one column at a time, in two streams (dense.h)
+    for (int64_t i = 0; i < n1 - n0; ++i) {
+      const int64_t n = stream_column(n0, n1, i);
+      run_table(a, n, n + 1, kStreaming, 1);
+    }
   }
 }
 
