@@ -138,6 +138,9 @@ KV_NEUTRAL = {  # field -> another value that must leave the hash alone
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 4},
     # Threads lent between sibling workers change the speed of a step, not its KV.
     "core_share": Path("/dev/shm/pdmesh-cores-test"),
+    # The screened greedy head picks the token the full head's argmax picks, after the KV is
+    # written (tests/engine/test_greedy_screen.py).
+    "greedy_screen": False,
 }
 
 
