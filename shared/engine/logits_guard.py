@@ -52,6 +52,11 @@ class LogitsGuard:
         self.last_non_finite_at = self._clock()
         return CheckedLogits(logits.masked_fill(bad[:, None], 0.0), rows)
 
+    def clean(self) -> None:
+        """A step sampled without logits, every row from finite values (the screened greedy
+        head settles only those): as a clean check, the model is usable again."""
+        self.last_non_finite_at = None
+
     def reset(self) -> int:
         """Forget the counts (after the warm-up request); returns how many there were."""
         count, self.num_non_finite, self.last_non_finite_at = self.num_non_finite, 0, None

@@ -189,6 +189,7 @@ class ModelRunner:
         if screen is not None and len(rows) <= screen.max_rows:
             st = SamplingTensors.from_requests(requests, screen.vocab_size, offsets)
             if st.plain_greedy and (picked := screen(rows)) is not None:
+                self.logits_guard.clean()
                 return SamplerOutput(picked, None), ()
         logits = self.model.compute_logits(rows)
         checked = self.logits_guard.check(logits)  # NaN/inf rows: sampled from zeros, dropped

@@ -135,6 +135,11 @@ def test_a_nan_row_fails_alone(make_checkpoint: Callable[..., Path], one_nan_ckp
     assert got[0].token_ids == want[0].token_ids and got[2].token_ids == want[1].token_ids
     assert got[1].finish_reason is FinishReason.ERROR and got[1].token_ids == []
     assert on.stats().num_non_finite_logits == failed + 1
+    assert on.stats().non_finite_logits_at is None  # the later clean steps cleared /health's
+    on.runner.logits_guard.last_non_finite_at = 1.0  # as right after a failure
+    calls = _count_full_head(on)
+    assert run_engine(on, [clean[0]], [GREEDY])[0].token_ids == want[0].token_ids
+    assert calls[0] == 0 and on.stats().non_finite_logits_at is None  # screened steps clear it
     assert_all_blocks_free(on)
 
 
