@@ -32,15 +32,15 @@ constexpr int64_t kGroup = 8;   // output columns per work item of the parallel 
 
 // Columns [n0, n1) of a bandwidth-bound kernel as two interleaved streams: the i-th column
 // visited is n0 + i / 2 for even i and mid + i / 2 for odd i (mid = the slice's middle). One
-// weight row after another is one DRAM stream per core,
-// and a core keeps too few misses in flight on one stream to reach the memory's bandwidth; two
-// streams half a slice apart measured +5-8% for a SmolLM2 bf16 decode step (AMD Zen 4, 2
-// threads, in-process A/B: 104.5 -> 109.4 and 116.4 -> 126.2 tok/s) and 24.8 -> 26.7 GB/s for
-// a 226 MB GEMV. (Adjacent rows interleaved in one tile are slower instead: the prefetchers
-// then see many short streams; gemv_avx512.cpp.) Each column is computed alone, so results do
-// not change. Below kTwoStreamMinCols columns the halves are too short to pay for a second
-// stream start, and the order is plain. (An index map, not a loop taking a callable: the loop
-// stays in the kernel's own target region, where its body inlines.)
+// weight row after another is one DRAM stream per core, and a core keeps too few misses in
+// flight on one stream to reach the memory's bandwidth. Two streams half a slice apart: a
+// 226 MB GEMV 24.8 -> 26.7 GB/s, and single-stream bf16 decode +5-20% in fresh-process A/B
+// runs (AMD Zen 4, 2 threads; README, "the two-stream GEMV"). Adjacent rows interleaved in one
+// tile are slower instead: the prefetchers then see many short streams (gemv_avx512.cpp). Each
+// column is computed alone, so results do not change. Below kTwoStreamMinCols columns the
+// halves are too short to pay for a second stream start, and the order is plain. An index
+// map, not a loop taking a callable: the loop stays in the kernel's own target region, where
+// its body inlines.
 constexpr int64_t kTwoStreamMinCols = 64;
 static inline int64_t stream_column(int64_t n0, int64_t n1, int64_t i) {
   if (n1 - n0 < kTwoStreamMinCols) return n0 + i;
