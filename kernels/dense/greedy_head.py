@@ -21,6 +21,7 @@ from torch import nn
 
 from kernels.dense.backend import MAX_ROWS, Backend
 from kernels.dense.module import DenseLinear
+from kernels.huge_pages import huge_page_empty
 
 SCREEN_CHUNK = 32  # csrc/dense.h kScreenChunk: q rows are zero-padded to a multiple of it
 # Rows per call up to which the screen beats the full head, per tier (benchmarks/greedy_head.py,
@@ -47,7 +48,8 @@ def screen_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     row), each widened by the rounding slack so that the op's bound holds (greedy_head.cpp)."""
     v, k = weight.shape
     kpad = -(-k // SCREEN_CHUNK) * SCREEN_CHUNK
-    q = torch.zeros(v, kpad, dtype=torch.int8)
+    # On huge pages like the decoder stack (kernels/huge_pages.py): each screen streams it all.
+    q = huge_page_empty(v * kpad).view(torch.int8).view(v, kpad)  # zero-filled: the padding
     coef = torch.empty(3, v, dtype=torch.float32)
     slack = _rounding_slack(kpad)
     for r0 in range(0, v, _ROWS_PER_PASS):

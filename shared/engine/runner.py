@@ -9,12 +9,14 @@ over every layer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from kernels.huge_pages import huge_page_empty
 from shared.config import EngineConfig
 from shared.engine.accelerate import greedy_head
 from shared.engine.logits_guard import LogitsGuard
@@ -110,8 +112,12 @@ class ModelRunner:
         self.num_blocks = geometry.num_blocks(config.kv_cache_memory_bytes)
         self.vocab_size = vocab_size
         # zeros, not empty: padded attention slots read block 0, and 0 * NaN garbage would
-        # poison the softmax-weighted sum even where the mask gives weight 0.
-        self.kv_cache = torch.zeros(geometry.cache_shape(self.num_blocks), dtype=geometry.dtype)
+        # poison the softmax-weighted sum even where the mask gives weight 0. On huge pages,
+        # as the weights are (kernels/huge_pages.py): long-context decode streams it too.
+        # zero_() touches every page now, so the worker's RSS when ready is its RSS under load.
+        shape = geometry.cache_shape(self.num_blocks)
+        nbytes = math.prod(shape) * geometry.dtype.itemsize
+        self.kv_cache = huge_page_empty(nbytes).view(geometry.dtype).view(shape).zero_()
         # Plain-greedy rows' tokens without the full head's logits (None: not for this model).
         self.greedy_head = greedy_head(model, config)
         self.weights_bytes = ((tensor_bytes(model) if isinstance(model, torch.nn.Module) else 0)

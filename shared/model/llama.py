@@ -327,6 +327,9 @@ class LlamaForCausalLM(HFWeightLoading):
                              if len(fused) == len(self.layers) else None)
         if self._fused_stack is not None:  # one arena, in the order each step reads it
             pack_contiguous(self._fused_stack)
+        head = getattr(self.lm_head, "weight", None)  # a sampled step streams all of it too
+        if isinstance(head, torch.Tensor) and head.dtype == torch.bfloat16:
+            pack_contiguous([head])  # (its own buffer: tied, it is the embedding as well)
         self._stack_packed = any(w.packed for w in fused)
         return len(fused)
 

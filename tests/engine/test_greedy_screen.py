@@ -174,3 +174,21 @@ def test_the_serve_flag_turns_it_off() -> None:
     on = WorkerConfig.from_args(parser.parse_args([]), {})
     off = WorkerConfig.from_args(parser.parse_args(["--no-greedy-screen"]), {})
     assert on.engine.greedy_screen is True and off.engine.greedy_screen is False
+
+
+def test_what_a_decode_step_streams_is_on_huge_page_memory(tiny: Path) -> None:
+    """The fused decoder stack, the LM head and the screen's int8 copy are each moved into
+    memory advised for 2 MiB pages (kernels/huge_pages.py) once the native path is on, and the
+    tokens are the plain path's (test_greedy_tokens_equal_the_full_heads)."""
+    from tests.kernels.test_huge_pages import THP, mapping_flags
+
+    engine = _engine(tiny, True)
+    model = engine.runner.model
+    if model.native is None:
+        pytest.skip("the plain-torch path (PDMESH_KERNEL_TIER=reference) packs nothing")
+    screen = engine.runner.greedy_head
+    assert screen is not None and model._fused_stack is not None
+    streamed = [t for t in model._fused_stack if t is not None] + [model.lm_head.weight, screen.q]
+    assert all(t.data_ptr() % 64 == 0 for t in streamed)
+    if THP:
+        assert all("hg" in mapping_flags(t.data_ptr()) for t in streamed)
