@@ -47,8 +47,9 @@ def huge_page_empty(nbytes: int) -> torch.Tensor:
 
 
 def huge_page_bytes(tensor: torch.Tensor) -> int:
-    """How many bytes of the mappings that hold `tensor` are on huge pages now
-    (/proc/self/smaps AnonHugePages), 0 where that file is absent. For logs and tests."""
+    """About how many of `tensor`'s bytes are on huge pages now: the AnonHugePages of the
+    mappings that hold it (/proc/self/smaps), capped at the tensor's size, since a mapping
+    may reach past the tensor; 0 where that file is absent. For logs and tests."""
     lo = tensor.data_ptr()
     hi = lo + tensor.numel() * tensor.element_size()
     total = 0
@@ -64,4 +65,4 @@ def huge_page_bytes(tensor: torch.Tensor) -> int:
                     total += int(line.split()[1]) * 1024
     except OSError:
         return 0
-    return total
+    return min(total, hi - lo)

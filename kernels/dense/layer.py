@@ -233,6 +233,6 @@ def pack_contiguous(tensors: list[torch.Tensor | None], align: int = 64) -> int:
         view.copy_(t)
         t.data = view
         offset += size
-    log.info("packed %d weight tensors into %.1f MiB, %.1f MiB of it on huge pages", len(live),
+    log.info("packed %d weight tensor(s) into %.1f MiB, %.1f MiB of it on huge pages", len(live),
              arena.numel() / 2**20, huge_page_bytes(arena) / 2**20)
     return int(arena.numel())

@@ -48,7 +48,7 @@ def test_zero_filled_aligned_writable_and_advised() -> None:
     if THP:
         assert "hg" in mapping_flags(buf.data_ptr())
     got = huge_page_bytes(buf)
-    assert 0 <= got <= 4 * HUGE_PAGE and got % HUGE_PAGE == 0
+    assert 0 <= got <= buf.numel()
 
 
 def test_a_view_keeps_the_mapping_alive() -> None:
@@ -61,7 +61,7 @@ def test_a_view_keeps_the_mapping_alive() -> None:
 
 
 def test_ordinary_memory_and_bad_sizes() -> None:
-    assert huge_page_bytes(torch.ones(16)) % HUGE_PAGE == 0
+    assert 0 <= huge_page_bytes(torch.ones(16)) <= 64
     assert huge_page_empty(0).numel() == 0 and pack_contiguous([None]) == 0
     with pytest.raises(ValueError, match="negative"):
         huge_page_empty(-1)

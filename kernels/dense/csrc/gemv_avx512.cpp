@@ -44,13 +44,14 @@ inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// Software prefetch of each weight row kPrefetchBytes ahead, into L2. The weights are on 4 KiB
-// pages (no transparent huge pages for them), and the L2 streamer stops at every page boundary,
-// so without it each core keeps only as many misses in flight as its fill buffers allow:
-// measured ~9 GB/s per core. With it, SmolLM2-135M's 30 fused layers at m = 1, 2 threads
-// (Intel SPR under KVM): 11.5 ms -> 8.5 ms; 1-2 KiB ahead was slower, 8 KiB slower still, and
-// T1 (L2) was a little faster than T0. Prefetching past the end of the matrix is harmless: a
-// prefetch never faults.
+// Software prefetch of each weight row kPrefetchBytes ahead, into L2. The L2 streamer stops at
+// every 4 KiB boundary, so without it each core keeps only as many misses in flight as its
+// fill buffers allow: measured ~9 GB/s per core on 4 KiB pages. With it, SmolLM2-135M's 30
+// fused layers at m = 1, 2 threads (Intel SPR under KVM, 4 KiB pages): 11.5 ms -> 8.5 ms; 1-2
+// KiB ahead was slower, 8 KiB slower still, and T1 (L2) was a little faster than T0. The
+// weights are now on 2 MiB pages where the kernel grants them (kernels/huge_pages.py); there
+// too, 2 KiB ahead lost to 4 KiB (AMD Zen 4, fresh-process A/B). Prefetching past the end of
+// the matrix is harmless: a prefetch never faults.
 constexpr int64_t kPrefetchBytes = 4096;
 
 // One K chunk (32 elements at k) of weight rows n..n+C-1 against R rows of x. kDp: vdpbf16ps
