@@ -32,7 +32,7 @@ LLAMA_CPP_VERSION = "0.3.36"
 Q4_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BF16_GGUF_NAME = "SmolLM2-135M-Instruct.bf16.gguf"
 SERVED_NAME = "smollm2"
-MAX_MODEL_LEN = 4096
+MAX_MODEL_LEN = 8192  # SmolLM2's context: room for the 8,000-token prompts of `peers.py --curves`
 # llama.cpp's build: the library only (its tests, examples, tools and C++ server are not used
 # by llama-cpp-python's server) and -march=native, on 2 compile jobs: ~20 min on 2 busy cores.
 LLAMA_BUILD_ENV = {

@@ -11,7 +11,10 @@ gets fresh prompts, shared by all systems, so no prefix cache carries over betwe
 Matrix: concurrency 1, 4, 16 x prompts of 200 and 2,000 tokens, 128 output tokens, sent as
 text through /v1/completions (llama-cpp-python takes no token ids) with `pdmesh bench`.
 Output: one table of ratios, pdmesh / peer (tok/s > 1 and latency < 1 favour pdmesh), and
-benchmarks/results/peers-<time>.json and .png.
+benchmarks/results/peers-<time>.json and .png (the ratios), plus peers-<time>-curves.png
+(tok/s and TPOT against concurrency, TTFT against prompt length) where the run swept either.
+`--curves` runs just those two sweeps, e.g. `--curves --concurrency 1,4,16,64 --input-lens
+200,100,500,2000,8000`.
 """
 
 from __future__ import annotations
@@ -35,11 +38,11 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]  # run as a script from anywhere
 
 import peer_servers as ps  # noqa: E402
+from peers_plot import RATIO_METRICS, cpu_kind, write_curves_png, write_ratio_png  # noqa: E402
 
 PDMESH_SYSTEMS = ("pdmesh-serve", "pdmesh-up")
 PEER_SYSTEMS = ("vllm", "llamacpp-q4_1", "llamacpp-bf16")
 METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "median_e2el_ms")
-RATIO_METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
 # bf16 like the peers (pdmesh serve defaults to float32), and a 2 GiB KV cache like vLLM's
 # VLLM_CPU_KVCACHE_SPACE=2 (pdmesh's default 256 MiB holds ~11k tokens: 16 x 2,000-token
 # prompts would queue). `up` splits the threads over its prefill and decode worker
@@ -114,6 +117,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-force-length", action="store_true",
                    help="ban EOS in llama.cpp (it has no ignore_eos); slows it a little")
     p.add_argument("--skip-setup", action="store_true", help="assume the peer venvs exist")
+    p.add_argument("--curves", action="store_true",
+                   help="run the scaling curves' two sweeps instead of the full matrix: every "
+                        "--concurrency at the first --input-lens value, and every --input-lens "
+                        "value at concurrency 1 (figure: peers-<time>-curves.png)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.prompts_per_stream < 1 or args.output_len < 1:
@@ -124,7 +131,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def cells(args: argparse.Namespace) -> list[Cell]:
-    return [Cell(c, n) for n in args.input_lens for c in args.concurrency]
+    """Every (concurrency, prompt length) pair; with --curves, the two sweeps of the scaling
+    curves instead: every concurrency at the first prompt length, then every prompt length at
+    concurrency 1."""
+    if not args.curves:
+        return [Cell(c, n) for n in args.input_lens for c in args.concurrency]
+    sweep = [Cell(c, args.input_lens[0]) for c in args.concurrency]
+    return list(dict.fromkeys(sweep + [Cell(1, n) for n in args.input_lens]))
 
 
 def schedule(systems: list[str], cell_list: list[Cell], repeats: int) -> list[Run]:
@@ -173,7 +186,7 @@ def prompts_path(args: argparse.Namespace, cell: Cell, rep: int) -> Path:
 
 
 def num_prompts(args: argparse.Namespace, cell: Cell) -> int:
-    if args.num_prompts is not None:
+    if args.num_prompts is not None and cell.concurrency in args.concurrency:
         return args.num_prompts[args.concurrency.index(cell.concurrency)]
     return cell.concurrency * args.prompts_per_stream
 
@@ -256,29 +269,6 @@ def format_table(rows: list[dict[str, object]]) -> str:
                      + " ".join(fmt(r[m]) for m in RATIO_METRICS))
     lines.append("ratios are pdmesh / peer: tok/s above 1 and TTFT/TPOT below 1 favour pdmesh")
     return "\n".join(lines)
-
-
-def write_png(rows: list[dict[str, object]], path: Path) -> None:
-    from services.bench.plot import pyplot
-
-    plt = pyplot()
-    pairs = list(dict.fromkeys((r["pdmesh"], r["peer"]) for r in rows))
-    labels = list(dict.fromkeys(r["cell"] for r in rows))
-    fig, axes = plt.subplots(1, len(RATIO_METRICS), figsize=(6 * len(RATIO_METRICS), 5))
-    width = 0.8 / max(len(pairs), 1)
-    for ax, metric in zip(axes, RATIO_METRICS, strict=True):
-        for k, pair in enumerate(pairs):
-            vals = {r["cell"]: r[metric] for r in rows if (r["pdmesh"], r["peer"]) == pair}
-            xs = [i + k * width for i in range(len(labels))]
-            ax.bar(xs, [vals.get(label) or 0 for label in labels], width, label=" / ".join(pair))
-        ax.axhline(1.0, color="black", linewidth=1)
-        ax.set_yscale("log")
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels, rotation=30)
-        ax.set_title(f"{metric}: pdmesh / peer")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def make_prompts(args: argparse.Namespace, hf_dir: Path) -> None:
@@ -399,8 +389,13 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     rows = write_json(args, stamp, results)
     print(format_table(rows))
-    write_png(rows, args.out_dir / f"peers-{stamp}.png")
-    print(f"wrote {args.out_dir}/peers-{stamp}.json and .png")
+    caption = (f"{cpu_kind()}; {args.threads} threads per system, {args.output_len} output "
+               f"tokens, {stamp}")
+    write_ratio_png(rows, args.out_dir / f"peers-{stamp}.png", caption)
+    curves = write_curves_png(summarize(results), args.out_dir / f"peers-{stamp}-curves.png",
+                              caption)
+    print(f"wrote {args.out_dir}/peers-{stamp}.json and .png"
+          + (f", and peers-{stamp}-curves.png" if curves else ""))
     return 0
 
 
@@ -411,7 +406,7 @@ def write_json(args: argparse.Namespace, stamp: str,
     rows = ratios(summary)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     payload = {
-        "version": 1, "date": stamp, "machine": {"cpus": os.cpu_count(),
+        "version": 1, "date": stamp, "machine": {"cpus": os.cpu_count(), "cpu_kind": cpu_kind(),
                                                    "platform": platform.platform()},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "runs": [{**asdict(run), **{m: data[m] for m in METRICS}, "failed": data["failed"],

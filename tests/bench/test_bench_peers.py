@@ -30,8 +30,8 @@ def _import_benchmarks(*names: str) -> list[ModuleType]:
         return [importlib.import_module(name) for name in names]
 
 
-peer_servers, peers, llamacpp_decode, peers_table = _import_benchmarks(
-    "peer_servers", "peers", "llamacpp_decode", "peers_table")
+peer_servers, peers, peers_plot, llamacpp_decode, peers_table = _import_benchmarks(
+    "peer_servers", "peers", "peers_plot", "llamacpp_decode", "peers_table")
 
 
 @pytest.fixture(autouse=True)
@@ -104,10 +104,57 @@ def test_summary_ratios_table_and_png(tmp_path: Path) -> None:
     png = tmp_path / "r.png"
     if importlib.util.find_spec("matplotlib") is None:  # the optional `bench` extra
         with pytest.raises(PlotUnavailable):
-            peers.write_png([row], png)
+            peers_plot.write_ratio_png([row], png, "cpu")
     else:
-        peers.write_png([row], png)
+        peers_plot.write_ratio_png([row], png, "cpu")
         assert png.read_bytes()[:4] == b"\x89PNG"
+    # One cell is no sweep: no curves figure.
+    assert peers_plot.write_curves_png(summary, tmp_path / "c.png", "cpu") is False
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_curves_run_two_sweeps_and_plot_them(tmp_path: Path) -> None:
+    args = peers.parse_args(["--curves", "--concurrency", "1,4,16,64", "--num-prompts",
+                             "2,8,32,64", "--input-lens", "200,100,500,2000,8000"])
+    got = [(c.concurrency, c.input_len) for c in peers.cells(args)]
+    assert got == [(1, 200), (4, 200), (16, 200), (64, 200),
+                   (1, 100), (1, 500), (1, 2000), (1, 8000)]
+    assert [peers.num_prompts(args, peers.Cell(c, n)) for c, n in got[:5]] == [2, 8, 32, 64, 2]
+    # Concurrency 1 not swept: a length-sweep cell falls back to prompts per stream.
+    no_one = peers.parse_args(["--curves", "--concurrency", "4", "--num-prompts", "8"])
+    assert peers.num_prompts(no_one, peers.Cell(1, 2000)) == no_one.prompts_per_stream
+    assert max(n for _, n in got) + args.output_len <= peer_servers.MAX_MODEL_LEN
+
+    # A summary with both sweeps (values from a formula, so each point is checkable).
+    def metrics(c: int, n: int) -> dict[str, float]:
+        return {"output_throughput": 10.0 * c, "median_tpot_ms": 5.0 + c,
+                "median_ttft_ms": n / 4, "median_e2el_ms": 1.0}
+    summary = {s: {f"c{c}/in{n}": metrics(c, n) for c, n in got} for s in ("a", "b")}
+    del summary["b"]["c64/in200"]  # a system that missed a cell draws the points it has
+    assert peers_plot.sweeps(summary) == (200, 1)
+    assert peers_plot.curve(summary, "a", "output_throughput", length=200) == [
+        (1, 10.0), (4, 40.0), (16, 160.0), (64, 640.0)]
+    assert peers_plot.curve(summary, "b", "median_tpot_ms", length=200) == [
+        (1, 6.0), (4, 9.0), (16, 21.0)]
+    assert peers_plot.curve(summary, "a", "median_ttft_ms", concurrency=1) == [
+        (100, 25.0), (200, 50.0), (500, 125.0), (2000, 500.0), (8000, 2000.0)]
+    with pytest.raises(ValueError, match="either"):
+        peers_plot.curve(summary, "a", "median_ttft_ms")
+    with pytest.raises(ValueError, match="cell label"):
+        peers_plot.sweeps({"a": {"4/200": metrics(4, 200)}})
+    png = tmp_path / "curves.png"
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert peers_plot.write_curves_png(summary, png, peers_plot.cpu_kind()) is True
+        assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cpu_kind_names_the_model_and_its_tier_flags() -> None:
+    kind = peers_plot.cpu_kind()
+    text = Path("/proc/cpuinfo").read_text()
+    model = next(line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if line.startswith("model name"))
+    assert kind.startswith(model) and kind.endswith("cores")
+    assert ("avx512_bf16" in kind) == ("avx512_bf16" in text.split())
 
 
 def test_bf16_gguf_conversion(tmp_path: Path) -> None:
