@@ -27,6 +27,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.model.gemma import GemmaForCausalLM
 from tests.conftest import NAN_TOKEN, ONE_NAN
 from tests.support.engine import assert_all_blocks_free, random_prompts, run_engine
+from tests.support.huge_pages import THP, mapping_flags
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -180,8 +181,6 @@ def test_what_a_decode_step_streams_is_on_huge_page_memory(tiny: Path) -> None:
     """The fused decoder stack, the LM head and the screen's int8 copy are each moved into
     memory advised for 2 MiB pages (kernels/huge_pages.py) once the native path is on, and the
     tokens are the plain path's (test_greedy_tokens_equal_the_full_heads)."""
-    from tests.kernels.test_huge_pages import THP, mapping_flags
-
     engine = _engine(tiny, True)
     model = engine.runner.model
     if model.native is None:

@@ -12,29 +12,13 @@ keeps every tensor's identity and every bit of its value.
 from __future__ import annotations
 
 import gc
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels.dense.layer import pack_contiguous
 from kernels.huge_pages import HUGE_PAGE, huge_page_bytes, huge_page_empty
-
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
-
-
-def mapping_flags(address: int) -> list[str]:
-    """VmFlags of the /proc/self/smaps mapping that holds `address`."""
-    lines = Path("/proc/self/smaps").read_text().splitlines()
-    inside = False
-    for line in lines:
-        first = line.split(maxsplit=1)[0] if line.strip() else ""
-        if "-" in first and not first.endswith(":"):
-            lo, hi = (int(part, 16) for part in first.split("-"))
-            inside = lo <= address < hi
-        elif inside and first == "VmFlags:":
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
+from tests.support.huge_pages import THP, mapping_flags
 
 
 def test_zero_filled_aligned_writable_and_advised() -> None:

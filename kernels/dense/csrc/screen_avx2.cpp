@@ -65,12 +65,11 @@ void tile(const ScreenArgs& a, int64_t r0, int64_t n, int64_t n0, float* best, i
 
 void screen_avx2(const ScreenArgs& a, int64_t n0, int64_t n1, float* best, int64_t* count) {
   for (int64_t r = 0; r < a.m; ++r) count[r] = 0;
-  const auto column = [&](int64_t n) {
+  for (int64_t n = n0; n < n1; ++n) {  // one stream: two measured no faster here
     int64_t r = 0;
     for (; r + 2 <= a.m; r += 2) tile<2>(a, r, n, n0, best, count);
     for (; r < a.m; ++r) tile<1>(a, r, n, n0, best, count);
-  };
-  for (int64_t n = n0; n < n1; ++n) column(n);  // (two streams measured no faster here)
+  }
 }
 
 }  // namespace pdmesh_dense
