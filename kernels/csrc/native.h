@@ -35,6 +35,7 @@ struct CpuFeatures {
   bool avx2, fma, f16c;  // the AVX2 tier needs all three
   bool avx512;           // avx512f/bw/vl/dq
   bool avx512_bf16;      // avx512_bf16 (vdpbf16ps), on top of avx512
+  bool amx_bf16;         // AMX tiles with bf16 (torch's own kernels use them: layer_ops.cpp)
 
   bool avx2_tier() const { return avx2 && fma && f16c; }
 };
@@ -46,9 +47,10 @@ static inline CpuFeatures detect_cpu_features() {
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   return {__builtin_cpu_supports("avx2") != 0, __builtin_cpu_supports("fma") != 0,
           __builtin_cpu_supports("f16c") != 0, avx512,
-          avx512 && __builtin_cpu_supports("avx512bf16")};
+          avx512 && __builtin_cpu_supports("avx512bf16"),
+          __builtin_cpu_supports("amx-bf16") != 0};
 #else
-  return {false, false, false, false, false};
+  return {false, false, false, false, false, false};
 #endif
 }
 

@@ -80,6 +80,42 @@ void rope_store_avx2(const uint16_t* qkv, const uint16_t* cos_sin, const StepArg
 void attend_avx2(const uint16_t* q, const StepArgs& s, const CacheArgs& c, float scale,
                  uint16_t* out, float* scratch, int64_t* offsets, int64_t i0, int64_t i1);
 
+// Causal attention of one sequence's q_len new rows over its whole context (ctx keys, the last
+// q_len of them the new rows': row t sits at position ctx - q_len + t) with bf16 dot products
+// (flash_avx512bf16.cpp; call only with avx512_bf16). The caller packs the context's K / V once
+// (flash_pack_*, items [0, KVH * flash_padded_keys(ctx) / 16)), then runs every work item
+// (flash_item_*, [0, flash_items(a)), any order, any thread) with its own scratch of
+// flash_scratch_floats(a) floats. q / out [q_len, H, D] bf16; D a multiple of 32, at most
+// kFlashMaxHeadDim; H / KVH at most kFlashMaxGroup.
+constexpr int64_t kFlashKeys = 128;       // keys per softmax block
+constexpr int64_t kFlashTokens = 16;      // query tokens per work item
+constexpr int64_t kFlashMaxHeadDim = 256;
+constexpr int64_t kFlashMaxGroup = 16;
+struct FlashArgs {
+  const uint16_t* q;
+  uint16_t* out;
+  const uint16_t* k_cache;      // this layer's K [num_blocks, block_size, KVH, D]
+  const uint16_t* v_cache;      // and V
+  const int32_t* block_table;   // the sequence's blocks
+  int64_t block_size, q_len, ctx, heads, kv_heads, d;
+  float scale;
+  uint16_t* k_packed;  // [KVH, flash_padded_keys(ctx) * D]: 16-key tiles, channel pairs
+  uint16_t* v_packed;  // [KVH, flash_padded_keys(ctx) * D]: key pairs, channels
+};
+static inline int64_t flash_padded_keys(int64_t ctx) {
+  return (ctx + kFlashKeys - 1) / kFlashKeys * kFlashKeys;
+}
+static inline int64_t flash_query_blocks(const FlashArgs& a) {
+  return (a.q_len + kFlashTokens - 1) / kFlashTokens;
+}
+static inline int64_t flash_items(const FlashArgs& a) { return a.kv_heads * flash_query_blocks(a); }
+static inline int64_t flash_scratch_floats(const FlashArgs& a) {
+  const int64_t rows = (kFlashTokens * (a.heads / a.kv_heads) + 7) / 8 * 8;
+  return rows * (kFlashKeys + kFlashKeys / 2 + a.d + 2);  // scores, bf16 probabilities, O, m, l
+}
+void flash_pack_avx512bf16(const FlashArgs& a, int64_t i0, int64_t i1);
+void flash_item_avx512bf16(const FlashArgs& a, int64_t item, float* scratch);
+
 // One tier's kernels, chosen once per op call from its `path` (layer_ops.cpp).
 struct LayerKernels {
   void (*rms_norm)(const uint16_t*, const uint16_t*, int64_t, float, uint16_t*, int64_t,
@@ -90,6 +126,9 @@ struct LayerKernels {
                      uint16_t*, int64_t, int64_t);
   void (*attend)(const uint16_t*, const StepArgs&, const CacheArgs&, float, uint16_t*, float*,
                  int64_t*, int64_t, int64_t);
+  // Prefill chunks' attention (FlashArgs), or nullptr: torch's CPU flash kernel runs them.
+  void (*flash_pack)(const FlashArgs&, int64_t, int64_t) = nullptr;
+  void (*flash_item)(const FlashArgs&, int64_t, float*) = nullptr;
 };
 
 }  // namespace pdmesh_dense

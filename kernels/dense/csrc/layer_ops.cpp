@@ -1,12 +1,16 @@
 // Torch bindings of the fused decoder layer (kernels in layer_<tier>.cpp / attend_<tier>.cpp,
 // GEMVs in ops.cpp). Every op takes the code path `path` of dense.h (1 avx512, 2 avx2,
-// 3 avx512_bf16; 1 and 3 share the elementwise and attention kernels and differ in the GEMV
-// only) and raises if this CPU cannot run it.
+// 3 avx512_bf16; 1 and 3 share the elementwise and per-row attention kernels, and differ in
+// the GEMV and the prefill attention) and raises if this CPU cannot run it.
 //   rope_attention(qkv, kv_layer!, cos_sin, block_tables, context_lens, query_start,
 //                  num_heads, num_kv_heads, scale, path, window=0) -> Tensor [T, H D]
 //       RoPE on q and k, K/V written to the paged cache, causal attention over each sequence's
 //       context read straight from its block table (any T: prefill chunks and decode rows; a
-//       sequence of kBlockedAttentionMinRows+ new rows runs torch's flash kernel instead);
+//       sequence of 32 or 64+ new rows runs a blocked flash kernel instead:
+//       flash_avx512bf16.cpp on path 3 without AMX, else torch's);
+//   prefill_attention(q, kv_layer, block_table, context_len, num_heads, num_kv_heads, scale,
+//                     bf16_dots) -> Tensor [T, H D]
+//       One sequence's blocked attention alone, on the bf16 kernel or torch's (tests, benchmarks).
 //       window > 0: a sliding window, the query at position p reads keys p - window < j <= p.
 //   decoder_layers(h!, kv_cache!, cos_sin, block_tables, context_lens, query_start,
 //                  Tensor?[] weights, num_heads, num_kv_heads, eps, scale, path, mxfp4_path,
@@ -40,6 +44,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "dense.h"
@@ -56,16 +61,26 @@ namespace {
 constexpr int64_t kRowGrain = 8;      // rows per parallel chunk of the elementwise kernels
 constexpr int64_t kMinKeysPerChunk = 4096;  // attention: (row, kv head, key) triples per chunk
 // A sequence with at least this many new rows (a prefill chunk) and full causal attention runs
-// torch's blocked (flash) attention: the per-row kernel reads every key once per query row,
-// which is quadratic traffic and GEMV-speed math; the blocked one reuses each key tile across
-// a tile of queries. Measured per layer on 2 cores (SmolLM2 heads): 5.2x faster for a
+// a blocked (flash) attention: the per-row kernel reads every key once per query row, which is
+// quadratic traffic and GEMV-speed math; the blocked one reuses each key tile across a tile of
+// queries. Measured per layer on 2 cores (SmolLM2 heads), torch's kernel: 5.2x faster for a
 // 2,000-token prompt, 1.7x at 200; at 64 new rows 0.87x with no cached context, 2x over 512.
-constexpr int64_t kBlockedAttentionMinRows = 64;
+// The bf16 one (flash_avx512bf16.cpp; AMD Zen 4) against the per-row kernel with RoPE: 1.3x at
+// 32 rows over 0 to 4,000 cached tokens, 1.3-2.1x at 63, and slower at 16 (packing the keys).
+constexpr int64_t kTorchFlashMinRows = 64;
+constexpr int64_t kBf16FlashMinRows = 32;
 
 constexpr LayerKernels kAvx512{rms_norm_avx512, add_inplace_avx512, silu_mul_avx512,
                                rope_store_avx512, attend_avx512};
 constexpr LayerKernels kAvx2{rms_norm_avx2, add_inplace_avx2, silu_mul_avx2, rope_store_avx2,
                              attend_avx2};
+// Path 3 also runs prefill attention on vdpbf16ps (flash_avx512bf16.cpp), except with AMX:
+// there torch's flash kernel multiplies on AMX tiles, which no vdpbf16ps loop matches. Without
+// AMX, torch's kernel runs bf16 at fp32 FMA speed and ours is faster (README, "Prefill
+// attention on bf16 dot products").
+constexpr LayerKernels kAvx512Bf16{rms_norm_avx512, add_inplace_avx512, silu_mul_avx512,
+                                   rope_store_avx512, attend_avx512, flash_pack_avx512bf16,
+                                   flash_item_avx512bf16};
 
 }  // namespace
 
@@ -73,7 +88,8 @@ constexpr LayerKernels kAvx2{rms_norm_avx2, add_inplace_avx2, silu_mul_avx2, rop
 const LayerKernels& kernels_for(int64_t path) {
   const char* why = path_unavailable(path);
   TORCH_CHECK(why == nullptr, "dense layer: code path ", path, " cannot run: ", why);
-  return path == kPathAvx2 ? kAvx2 : kAvx512;
+  if (path == kPathAvx2) return kAvx2;
+  return path == kPathAvx512Bf16 && !cpu_features().amx_bf16 ? kAvx512Bf16 : kAvx512;
 }
 
 uint16_t* bits(const at::Tensor& t) {
@@ -120,34 +136,40 @@ Step make_step(const at::Tensor& tables, const at::Tensor& ctx, const at::Tensor
 
 namespace {
 
-// Full causal attention of sequence b's new rows through torch's CPU flash-attention kernel
-// (bf16 in, fp32 softmax and accumulation, bf16 out; grouped kv heads natively), into out's
-// rows. q [T, H D] (rotated), kv [2, num_blocks, block_size, KVH, D] with this step's keys
-// already written. The context's K / V blocks are gathered once ([KVH, ctx, D] each: small
-// next to the attention's ctx^2 work). The new rows sit at positions ctx - q_len .. ctx - 1.
+// One sequence's prefill rows: q / out [T, H D] rows [r0, r0 + q_len), the new rows at
+// positions ctx - q_len .. ctx - 1 of the sequence whose blocks `table` lists; kv [2,
+// num_blocks, block_size, KVH, D] with this step's keys already written.
+struct Prefill {
+  const at::Tensor& q;
+  const at::Tensor& kv;
+  const int32_t* table;
+  int64_t ctx, r0, q_len, heads, kv_heads;
+  double scale;
+};
+
+// Full causal attention through torch's CPU flash-attention kernel (bf16 in, fp32 softmax and
+// accumulation, bf16 out; grouped kv heads natively), into out's rows. The context's K / V
+// blocks are gathered once ([KVH, ctx, D] each: small next to the attention's ctx^2 work).
 // A whole prompt is one causal call. With cached context before the rows (a later prefill
 // chunk, a prefix hit) the keys split in two: the cached ones, which every row sees (no
 // mask), and the new ones (causal); the two partial results merge by their log-sum-exp. An
 // explicit [q_len, ctx] mask is read once per head: 1.7x the attention time of the split at
 // 8,000 tokens (1.4x the whole prefill).
-void blocked_attention(const at::Tensor& q, const at::Tensor& kv, const Step& s, int64_t b,
-                       int64_t heads, int64_t kv_heads, double scale, at::Tensor& out) {
-  const int64_t r0 = s.args.query_start[b], q_len = s.args.query_start[b + 1] - r0;
-  const int64_t ctx = s.args.context_lens[b], bs = s.args.block_size, d = kv.size(4);
+void torch_flash_attention(const Prefill& p, at::Tensor& out) {
+  const int64_t bs = p.kv.size(2), d = p.kv.size(4), q_len = p.q_len, ctx = p.ctx;
   const int64_t cached = ctx - q_len, nblk = (ctx + bs - 1) / bs;
-  const at::Tensor table = at::from_blob(
-      const_cast<int32_t*>(s.args.block_tables + b * s.args.max_blocks), {nblk},
-      at::TensorOptions().dtype(at::kInt));
+  const at::Tensor table = at::from_blob(const_cast<int32_t*>(p.table), {nblk},
+                                         at::TensorOptions().dtype(at::kInt));
   auto gather = [&](int64_t which) {  // [1, KVH, ctx, D]
-    return kv[which].index_select(0, table).view({nblk * bs, kv_heads, d}).narrow(0, 0, ctx)
+    return p.kv[which].index_select(0, table).view({nblk * bs, p.kv_heads, d}).narrow(0, 0, ctx)
         .permute({1, 0, 2}).unsqueeze(0);
   };
-  const at::Tensor qs = q.narrow(0, r0, q_len).view({q_len, heads, d}).permute({1, 0, 2})
+  const at::Tensor qs = p.q.narrow(0, p.r0, q_len).view({q_len, p.heads, d}).permute({1, 0, 2})
                             .unsqueeze(0);  // [1, H, q_len, D]
   const at::Tensor keys = gather(0), values = gather(1);
   auto flash = [&](int64_t k0, int64_t n, bool causal) {  // keys [k0, k0 + n)
     return at::_scaled_dot_product_flash_attention_for_cpu(
-        qs, keys.narrow(2, k0, n), values.narrow(2, k0, n), 0.0, causal, std::nullopt, scale);
+        qs, keys.narrow(2, k0, n), values.narrow(2, k0, n), 0.0, causal, std::nullopt, p.scale);
   };
   at::Tensor o;  // [1, H, q_len, D]
   if (cached == 0) {
@@ -161,7 +183,43 @@ void blocked_attention(const at::Tensor& q, const at::Tensor& kv, const Step& s,
     o = o_old.to(at::kFloat).mul_(w_old).add_(o_new.to(at::kFloat).mul_(w_new))
             .div_(w_old.add(w_new)).to(at::kBFloat16);
   }
-  out.narrow(0, r0, q_len).view({q_len, heads, d}).copy_(o.squeeze(0).permute({1, 0, 2}));
+  out.narrow(0, p.r0, q_len).view({q_len, p.heads, d}).copy_(o.squeeze(0).permute({1, 0, 2}));
+}
+
+// Whether k's bf16-dot-product kernel runs this geometry (layer.h: FlashArgs).
+bool flash_fits(const LayerKernels& k, int64_t heads, int64_t kv_heads, int64_t d) {
+  return k.flash_item != nullptr && d % 32 == 0 && d <= kFlashMaxHeadDim &&
+         heads / kv_heads <= kFlashMaxGroup;
+}
+
+// The same attention on k's bf16-dot-product kernel (flash_avx512bf16.cpp): K / V packed once,
+// then the work items. Items differ in cost (a later query block sees more keys), so each
+// thread takes them from a shared counter, longest first, rather than from a static split.
+void bf16_flash_attention(const LayerKernels& k, const Prefill& p, at::Tensor& out) {
+  const int64_t d = p.kv.size(4), padded = flash_padded_keys(p.ctx);
+  FlashArgs a{bits(p.q) + p.r0 * p.heads * d, bits(out) + p.r0 * p.heads * d, bits(p.kv[0]),
+              bits(p.kv[1]), p.table, p.kv.size(2), p.q_len, p.ctx, p.heads, p.kv_heads, d,
+              static_cast<float>(p.scale), nullptr, nullptr};
+  at::Tensor packed = at::empty({2, p.kv_heads * padded * d}, p.q.options());
+  a.k_packed = bits(packed);
+  a.v_packed = a.k_packed + p.kv_heads * padded * d;
+  at::parallel_for(0, p.kv_heads * padded / 16, 16, [&](int64_t i0, int64_t i1) {
+    k.flash_pack(a, i0, i1);
+  });
+  const int64_t items = flash_items(a);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch(flash_scratch_floats(a));
+    for (int64_t i = next++; i < items; i = next++) k.flash_item(a, i, scratch.data());
+  });
+}
+
+void blocked_attention(const LayerKernels& k, const Prefill& p, at::Tensor& out) {
+  if (flash_fits(k, p.heads, p.kv_heads, p.kv.size(4))) {
+    bf16_flash_attention(k, p, out);
+  } else {
+    torch_flash_attention(p, out);
+  }
 }
 
 // RoPE + cache write, then attention: qkv [T, (H + 2 KVH) D] -> [T, H D].
@@ -191,12 +249,16 @@ at::Tensor attention_core(const LayerKernels& k, const at::Tensor& qkv, at::Tens
   };
   // Rows are sequence-major: long prefill chunks go to blocked_attention, the runs of rows
   // between them to the per-row kernel.
+  const int64_t min_rows =
+      flash_fits(k, heads, kv_heads, d) ? kBf16FlashMinRows : kTorchFlashMinRows;
   int64_t pending = 0;
   for (int64_t b = 0; b < s.args.num_seqs; ++b) {
     const int64_t r0 = s.args.query_start[b], r1 = s.args.query_start[b + 1];
-    if (window > 0 || r1 - r0 < kBlockedAttentionMinRows) continue;
+    if (window > 0 || r1 - r0 < min_rows) continue;
     per_row(pending, r0);
-    blocked_attention(q, kv, s, b, heads, kv_heads, scale, out);
+    blocked_attention(k, Prefill{q, kv, s.args.block_tables + b * s.args.max_blocks,
+                                 s.args.context_lens[b], r0, r1 - r0, heads, kv_heads, scale},
+                      out);
     pending = r1;
   }
   per_row(pending, rows);
@@ -231,6 +293,41 @@ at::Tensor rope_attention(const at::Tensor& qkv, at::Tensor kv, const at::Tensor
   TORCH_CHECK(window >= 0, "dense layer: window must be >= 0 (0: full attention)");
   const Step s = make_step(tables, ctx, qs, qkv.size(0), kv, cos_sin.size(0));
   return attention_core(k, qkv, kv, cos_sin, s, heads, kv_heads, scale, window);
+}
+
+// One sequence's prefill attention alone, on either implementation, for tests and benchmarks
+// to compare: q [q_len, H D] rotated, kv_layer holding the context's K / V (ctx keys, the last
+// q_len the rows' own) in the blocks block_table [n] int32 lists. bf16_dots: the vdpbf16ps
+// kernel (raises on a CPU without avx512_bf16, or a geometry it does not run), else torch's.
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
+                             int64_t ctx, int64_t heads, int64_t kv_heads, double scale,
+                             bool bf16_dots) {
+  check_tensor(q, "q", at::kBFloat16, 2);
+  check_tensor(kv, "kv_layer", at::kBFloat16, 5);
+  check_tensor(table, "block_table", at::kInt, 1);
+  const int64_t d = kv.size(4), bs = kv.size(2), q_len = q.size(0);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && kv.size(0) == 2 &&
+                  kv.size(3) == kv_heads && q.size(1) == heads * d,
+              "dense layer: q [T, H D] and kv_layer [2, n, bs, KVH, D] do not match the heads");
+  TORCH_CHECK(q_len >= 1 && q_len <= ctx && ctx <= table.size(0) * bs,
+              "dense layer: need 1 <= q_len <= context_len <= the block table's capacity");
+  const int32_t* t = table.data_ptr<int32_t>();
+  for (int64_t j = 0; j < (ctx + bs - 1) / bs; ++j) {
+    TORCH_CHECK(t[j] >= 0 && t[j] < kv.size(1), "dense layer: block id out of range");
+  }
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const Prefill p{q, kv, t, ctx, 0, q_len, heads, kv_heads, scale};
+  if (!bf16_dots) {
+    torch_flash_attention(p, out);
+    return out;
+  }
+  const char* why = path_unavailable(kPathAvx512Bf16);
+  TORCH_CHECK(why == nullptr, "dense layer: the bf16 flash kernel cannot run: ", why);
+  TORCH_CHECK(flash_fits(kAvx512Bf16, heads, kv_heads, d),
+              "dense layer: the bf16 flash kernel needs head_dim a multiple of 32 up to ",
+              kFlashMaxHeadDim, " and at most ", kFlashMaxGroup, " query heads per kv head");
+  bf16_flash_attention(kAvx512Bf16, p, out);
+  return out;
 }
 
 // The MXFP4 library's fused linear, found through the dispatcher: that library is built and
@@ -457,6 +554,10 @@ TORCH_LIBRARY_FRAGMENT(pdmesh_dense, m) {
       "Tensor context_lens, Tensor query_start, int num_heads, int num_kv_heads, float scale, "
       "int path, int window=0) -> Tensor",
       &pdmesh_dense::rope_attention);
+  m.def(
+      "prefill_attention(Tensor q, Tensor kv_layer, Tensor block_table, int context_len, "
+      "int num_heads, int num_kv_heads, float scale, bool bf16_dots) -> Tensor",
+      &pdmesh_dense::prefill_attention);
   m.def(
       "decoder_layers(Tensor(a!) h, Tensor(b!) kv_cache, Tensor cos_sin, Tensor block_tables, "
       "Tensor context_lens, Tensor query_start, Tensor?[] weights, int num_heads, "
