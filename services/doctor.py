@@ -215,9 +215,10 @@ def _dense_status() -> str:
         native = dense.decoder() if info.state == "ready" else None
     except Exception as exc:  # noqa: BLE001 - report, don't crash the doctor
         return f"unavailable: {exc}"
-    path = ("fused decoder layer + native paged attention" if native is not None
-            else "plain torch layers (no native decoder)")
-    return f"{info}; bf16 decode path: {path}"
+    if native is None:
+        return f"{info}; bf16 decode path: plain torch layers (no native decoder)"
+    return (f"{info}; bf16 decode path: fused decoder layer + native paged attention; "
+            f"prefill attention: {native.prefill_attention_kernel}")
 
 
 def _prebuilt_status() -> str:

@@ -144,6 +144,12 @@ class NativeDecoder:
         self.mxfp4_path = MXFP4_PATHS[path.backend]  # what MXFP4 projections run when fused
         self._layers = self._ops.decoder_layers.default  # resolved once: the per-step call
 
+    @property
+    def prefill_attention_kernel(self) -> str:
+        """Which kernel runs this tier's prefill attention (sequences of 16 or 64+ new rows):
+        the bf16 flash kernel on avx512_bf16 without AMX, else torch's CPU flash kernel."""
+        return str(self._ops.prefill_attention_kernel(self._path_id))
+
     @staticmethod
     def supports(g: LayerGeometry) -> bool:
         """Whether the kernels take this head layout (up to 16 query heads per kv head)."""

@@ -103,15 +103,21 @@ def test_bf16_kernel_is_deterministic_across_threads(bf16_tier: dense.KernelPath
     assert torch.equal(one, two)
 
 
-def _has_amx() -> bool:
+def _cpu_flags() -> set[str]:
+    """This CPU's flags, read independently of the library's own detection."""
     flags = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
-    return flags is not None and "amx_bf16" in flags.group(1).split()
+    assert flags is not None, "no flags line in /proc/cpuinfo"
+    return set(flags.group(1).split())
 
 
-@pytest.mark.parametrize("q_len", [40, 200])
+def _has_amx() -> bool:
+    return "amx_bf16" in _cpu_flags()
+
+
+@pytest.mark.parametrize("q_len", [20, 200])
 def test_rope_attention_routes_prefill_rows_to_the_kernel_for_this_cpu(
         bf16_tier: dense.KernelPath, q_len: int) -> None:
-    """On the avx512_bf16 tier a sequence of 32+ new rows runs the bf16 kernel where the CPU has
+    """On the avx512_bf16 tier a sequence of 16+ new rows runs the bf16 kernel where the CPU has
     no AMX (torch's kernel runs bf16 at fp32 speed there), and torch's kernel with AMX: the
     fused op's output equals that kernel's bit for bit on the same rotated q and cache."""
     heads, kv_heads, d, cached = 9, 3, 64, 50
@@ -135,6 +141,25 @@ def test_rope_attention_routes_prefill_rows_to_the_kernel_for_this_cpu(
     expected = _attend(q.reshape(q_len, -1).contiguous(), cache, table, ctx, heads, kv_heads,
                        d ** -0.5, not _has_amx())
     assert torch.equal(out, expected)
+    assert decoder.prefill_attention_kernel == (
+        "torch's flash kernel (AMX)" if _has_amx() else "bf16 flash kernel (vdpbf16ps)")
+
+
+@pytest.mark.parametrize("tier", ["avx512", "avx2"])
+def test_tiers_without_bf16_dots_keep_torchs_kernel(tier: str) -> None:
+    decoder = dense.decoder(dense_or_skip(tier).backend)
+    assert decoder is not None
+    assert decoder.prefill_attention_kernel == "torch's flash kernel (fp32 FMA)"
+
+
+def test_doctor_names_the_prefill_attention_kernel() -> None:
+    """What `pdmesh doctor` prints is what the engine's default tier runs."""
+    from services.doctor import _dense_status
+
+    decoder = dense.decoder()
+    if decoder is None:
+        pytest.skip("no native decoder on this machine: doctor says so instead")
+    assert f"prefill attention: {decoder.prefill_attention_kernel}" in _dense_status()
 
 
 def test_bad_input_raises(bf16_tier: dense.KernelPath) -> None:
@@ -154,12 +179,16 @@ def test_bad_input_raises(bf16_tier: dense.KernelPath) -> None:
                                .double(), want, rtol=2**-7, atol=2**-8)
 
 
-def test_cpu_without_bf16_dots_refuses_the_kernel() -> None:
-    """The op checks the CPU before running AVX-512 bf16 code (a SIGILL is not an error)."""
+def test_the_kernel_runs_only_where_the_cpu_has_bf16_dots() -> None:
+    """The op checks the CPU before running AVX-512 bf16 code (a SIGILL is not an error): it
+    refuses with a reason where avx512_bf16 is missing, and runs where it is present."""
     info = dense.build_info()
     assert info.state == "ready", f"dense build failed: {info.error}"
-    if "avx512_bf16" in info.available:
-        pytest.skip("this CPU has avx512_bf16: the refusal path is not reachable here")
     q, kv, table, ctx = _case(40, 0, 4, 2, 64, seed=3)
-    with pytest.raises(RuntimeError, match="cannot run"):
-        _attend(q, kv, table, ctx, 4, 2, 0.125, True)
+    if "avx512_bf16" in _cpu_flags():
+        got = _attend(q, kv, table, ctx, 4, 2, 0.125, True)
+        torch.testing.assert_close(got.double(), _reference(q, kv, table, ctx, 4, 2, 0.125),
+                                   rtol=2**-7, atol=2**-8)
+    else:
+        with pytest.raises(RuntimeError, match="cannot run"):
+            _attend(q, kv, table, ctx, 4, 2, 0.125, True)

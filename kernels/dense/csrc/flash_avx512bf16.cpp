@@ -173,30 +173,84 @@ void softmax_row(float* s, uint16_t* p, float* m, float* l, float* o, int64_t d,
   }
 }
 
+// 32 bf16 of a key's row from channel `at` (16 words); zeros for a key past the context.
+inline __m512i row(const uint16_t* r, int64_t at) {
+  return r ? _mm512_loadu_si512(r + at) : _mm512_setzero_si512();
+}
+
+// rows[j] holds words 0..15 of key j (a word: a pair of bf16 channels); out[p * 16 + j] =
+// rows[j][p]. A 16 x 16 transpose of 32-bit words in three rounds: words of row pairs, then
+// pairs of row pairs (per 128-bit lane, 4 rows x 4 words), then the lanes.
+void transpose_16x16(const __m512i (&rows)[16], uint32_t* out) {
+  __m512i t[16], u[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
+  }
+  // u[4 g + w], lane L: word 4 L + w of rows 4 g .. 4 g + 3.
+#pragma GCC unroll 4
+  for (int g = 0; g < 4; ++g) {
+    const __m512i* q = t + 4 * g;
+    u[4 * g] = _mm512_unpacklo_epi64(q[0], q[2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(q[0], q[2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(q[1], q[3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(q[1], q[3]);
+  }
+#pragma GCC unroll 4
+  for (int w = 0; w < 4; ++w) {  // lane L of each group -> word 4 L + w of all 16 rows
+    const __m512i v0 = _mm512_shuffle_i32x4(u[w], u[4 + w], 0x88);   // lanes 0, 2
+    const __m512i v1 = _mm512_shuffle_i32x4(u[w], u[4 + w], 0xDD);   // lanes 1, 3
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + w], u[12 + w], 0x88);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + w], u[12 + w], 0xDD);
+    _mm512_storeu_si512(out + (0 + w) * 16, _mm512_shuffle_i32x4(v0, v2, 0x88));
+    _mm512_storeu_si512(out + (4 + w) * 16, _mm512_shuffle_i32x4(v1, v3, 0x88));
+    _mm512_storeu_si512(out + (8 + w) * 16, _mm512_shuffle_i32x4(v0, v2, 0xDD));
+    _mm512_storeu_si512(out + (12 + w) * 16, _mm512_shuffle_i32x4(v1, v3, 0xDD));
+  }
+}
+
 }  // namespace
 
 void flash_pack_avx512bf16(const FlashArgs& a, int64_t i0, int64_t i1) {
   const int64_t d = a.d, tiles = flash_padded_keys(a.ctx) / kTileKeys;
+  // V pairs: channels c .. c + 15 of keys 2i and 2i + 1 interleaved, then c + 16 .. c + 31.
+  alignas(64) uint16_t lo_idx[32], hi_idx[32];
+  for (int i = 0; i < 16; ++i) {
+    lo_idx[2 * i] = static_cast<uint16_t>(i);
+    lo_idx[2 * i + 1] = static_cast<uint16_t>(32 + i);
+    hi_idx[2 * i] = static_cast<uint16_t>(16 + i);
+    hi_idx[2 * i + 1] = static_cast<uint16_t>(48 + i);
+  }
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
   for (int64_t item = i0; item < i1; ++item) {
     const int64_t h = item / tiles, tile = item % tiles;
     uint32_t* kt = reinterpret_cast<uint32_t*>(a.k_packed + (h * tiles + tile) * kTileKeys * d);
     uint16_t* vt = a.v_packed + (h * tiles + tile) * kTileKeys * d;  // 8 key pairs x D x 2
+    const uint16_t* kr[kTileKeys];  // each key's K / V row in the cache; nullptr past ctx
+    const uint16_t* vr[kTileKeys];
     for (int64_t j = 0; j < kTileKeys; ++j) {
       const int64_t key = tile * kTileKeys + j;
-      const uint16_t* kr = nullptr;
-      const uint16_t* vr = nullptr;
+      kr[j] = vr[j] = nullptr;
       if (key < a.ctx) {
         const int64_t slot = a.block_table[key / a.block_size] * a.block_size + key % a.block_size;
-        kr = a.k_cache + (slot * a.kv_heads + h) * d;
-        vr = a.v_cache + (slot * a.kv_heads + h) * d;
+        kr[j] = a.k_cache + (slot * a.kv_heads + h) * d;
+        vr[j] = a.v_cache + (slot * a.kv_heads + h) * d;
       }
-      for (int64_t p = 0; p < d / 2; ++p) {  // K: word [p][j] = channels 2p, 2p + 1 of key j
-        uint32_t w = 0;
-        if (kr) __builtin_memcpy(&w, kr + 2 * p, sizeof(w));
-        kt[p * kTileKeys + j] = w;
+    }
+    for (int64_t c = 0; c < d; c += 32) {  // K: word [p][j] = channels 2p, 2p + 1 of key j
+      __m512i rows[kTileKeys];
+#pragma GCC unroll 16
+      for (int j = 0; j < kTileKeys; ++j) rows[j] = row(kr[j], c);
+      transpose_16x16(rows, kt + (c / 2) * kTileKeys);
+    }
+    for (int64_t j = 0; j < kTileKeys; j += 2) {  // V: [pair][channel][key of the pair]
+      uint16_t* vp = vt + (j / 2) * d * 2;
+      for (int64_t c = 0; c < d; c += 32) {
+        const __m512i x = row(vr[j], c), y = row(vr[j + 1], c);
+        _mm512_storeu_si512(vp + 2 * c, _mm512_permutex2var_epi16(x, lo, y));
+        _mm512_storeu_si512(vp + 2 * c + 32, _mm512_permutex2var_epi16(x, hi, y));
       }
-      uint16_t* vp = vt + (j / 2) * d * 2 + (j % 2);  // V: [pair][channel][key of the pair]
-      for (int64_t c = 0; c < d; ++c) vp[2 * c] = vr ? vr[c] : uint16_t{0};
     }
   }
 }

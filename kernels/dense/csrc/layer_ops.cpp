@@ -6,11 +6,12 @@
 //                  num_heads, num_kv_heads, scale, path, window=0) -> Tensor [T, H D]
 //       RoPE on q and k, K/V written to the paged cache, causal attention over each sequence's
 //       context read straight from its block table (any T: prefill chunks and decode rows; a
-//       sequence of 32 or 64+ new rows runs a blocked flash kernel instead:
+//       sequence of 16 or 64+ new rows runs a blocked flash kernel instead:
 //       flash_avx512bf16.cpp on path 3 without AMX, else torch's);
 //   prefill_attention(q, kv_layer, block_table, context_len, num_heads, num_kv_heads, scale,
 //                     bf16_dots) -> Tensor [T, H D]
 //       One sequence's blocked attention alone, on the bf16 kernel or torch's (tests, benchmarks).
+//   prefill_attention_kernel(path) -> str: which of the two `path` runs (pdmesh doctor).
 //       window > 0: a sliding window, the query at position p reads keys p - window < j <= p.
 //   decoder_layers(h!, kv_cache!, cos_sin, block_tables, context_lens, query_start,
 //                  Tensor?[] weights, num_heads, num_kv_heads, eps, scale, path, mxfp4_path,
@@ -45,6 +46,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <string>
 #include <vector>
 
 #include "dense.h"
@@ -65,10 +67,11 @@ constexpr int64_t kMinKeysPerChunk = 4096;  // attention: (row, kv head, key) tr
 // quadratic traffic and GEMV-speed math; the blocked one reuses each key tile across a tile of
 // queries. Measured per layer on 2 cores (SmolLM2 heads), torch's kernel: 5.2x faster for a
 // 2,000-token prompt, 1.7x at 200; at 64 new rows 0.87x with no cached context, 2x over 512.
-// The bf16 one (flash_avx512bf16.cpp; AMD Zen 4) against the per-row kernel with RoPE: 1.3x at
-// 32 rows over 0 to 4,000 cached tokens, 1.3-2.1x at 63, and slower at 16 (packing the keys).
+// The bf16 one (flash_avx512bf16.cpp; AMD Zen 4) against the per-row kernel with RoPE, over
+// 0 / 200 / 1,000 / 4,000 cached tokens: 1.35x / 1.8x / 2.1x / 2.2x at 16 rows; at 8 rows
+// 1.1x / 1.5x / 1.8x / 2.0x, and at 4 rows slower without cached context.
 constexpr int64_t kTorchFlashMinRows = 64;
-constexpr int64_t kBf16FlashMinRows = 32;
+constexpr int64_t kBf16FlashMinRows = 16;
 
 constexpr LayerKernels kAvx512{rms_norm_avx512, add_inplace_avx512, silu_mul_avx512,
                                rope_store_avx512, attend_avx512};
@@ -330,6 +333,15 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at
   return out;
 }
 
+// Which kernel runs code path `path`'s prefill attention (a geometry permitting): what
+// `pdmesh doctor` prints, and what the routing test checks.
+std::string prefill_attention_kernel(int64_t path) {
+  const LayerKernels& k = kernels_for(path);
+  if (k.flash_item != nullptr) return "bf16 flash kernel (vdpbf16ps)";
+  if (path == kPathAvx512Bf16) return "torch's flash kernel (AMX)";
+  return "torch's flash kernel (fp32 FMA)";
+}
+
 // The MXFP4 library's fused linear, found through the dispatcher: that library is built and
 // loaded on its own (kernels/mxfp4), and is loaded whenever a model holds MXFP4 weights.
 at::Tensor mxfp4_linear(const at::Tensor& x, const Proj& p, int64_t path) {
@@ -558,6 +570,7 @@ TORCH_LIBRARY_FRAGMENT(pdmesh_dense, m) {
       "prefill_attention(Tensor q, Tensor kv_layer, Tensor block_table, int context_len, "
       "int num_heads, int num_kv_heads, float scale, bool bf16_dots) -> Tensor",
       &pdmesh_dense::prefill_attention);
+  m.def("prefill_attention_kernel(int path) -> str", &pdmesh_dense::prefill_attention_kernel);
   m.def(
       "decoder_layers(Tensor(a!) h, Tensor(b!) kv_cache, Tensor cos_sin, Tensor block_tables, "
       "Tensor context_lens, Tensor query_start, Tensor?[] weights, int num_heads, "
