@@ -8,11 +8,11 @@
 //       context read straight from its block table (any T: prefill chunks and decode rows; a
 //       sequence of 16 or 64+ new rows runs a blocked flash kernel instead:
 //       flash_avx512bf16.cpp on path 3 without AMX, else torch's);
+//       window > 0: a sliding window, the query at position p reads keys p - window < j <= p.
 //   prefill_attention(q, kv_layer, block_table, context_len, num_heads, num_kv_heads, scale,
 //                     bf16_dots) -> Tensor [T, H D]
 //       One sequence's blocked attention alone, on the bf16 kernel or torch's (tests, benchmarks).
 //   prefill_attention_kernel(path) -> str: which of the two `path` runs (pdmesh doctor).
-//       window > 0: a sliding window, the query at position p reads keys p - window < j <= p.
 //   decoder_layers(h!, kv_cache!, cos_sin, block_tables, context_lens, query_start,
 //                  Tensor?[] weights, num_heads, num_kv_heads, eps, scale, path, mxfp4_path,
 //                  team=True, windows=[]) -> ()
