@@ -83,6 +83,13 @@ def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 BF16_GEMM_TIERS = (Tier.REFERENCE, Tier.AVX512_BF16)
 
 
+def onednn_bf16_gemm() -> bool:
+    """Whether torch runs a CPU bf16 GEMM through oneDNN on this CPU (AVX-512 BW and up).
+    Elsewhere (AMD Zen 3: AVX2 only) torch's own bf16 GEMM runs it, which keeps no per-shape
+    primitive, so there is nothing to pre-build."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def padded_rows(rows: int) -> int:
     """The row count torch's bf16 GEMM is given for a `rows`-row product (rows > MAX_ROWS):
     rounded up to one of eight steps per power of two, so at most 1/8 more rows.

@@ -63,14 +63,17 @@ def prebuild_gemm_shapes(model: torch.nn.Module, config: EngineConfig) -> int:
     its CUDA graphs for a fixed list of batch sizes at start-up, makes a worker's RSS when it
     turns ready its RSS in steady state (each primitive holds ~0.6 MB of JIT'd code and
     scratch), and takes the build off the first request of each new length. Layers shared
-    across the stack are run once per shape; tiers that widen bf16 to fp32 cache nothing.
+    across the stack are run once per shape; tiers that widen bf16 to fp32, and CPUs whose
+    bf16 GEMM is not oneDNN's (onednn_bf16_gemm), cache nothing.
     """
     from kernels.dense import DenseLinear
-    from kernels.dense.backend import BF16_GEMM_TIERS, MAX_ROWS, row_buckets
+    from kernels.dense.backend import BF16_GEMM_TIERS, MAX_ROWS, onednn_bf16_gemm, row_buckets
     from shared.model.quant import MXFP4Linear
 
     seen: set[tuple[type, int, int, bool]] = set()
     runs = 0
+    if not onednn_bf16_gemm():  # torch's own bf16 GEMM: no primitive cache to fill
+        return runs
     for name, module in model.named_modules():
         if not isinstance(module, DenseLinear | MXFP4Linear):
             continue

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kernels.dense as dense
-from kernels.dense.backend import BF16_GEMM_TIERS
+from kernels.dense.backend import BF16_GEMM_TIERS, onednn_bf16_gemm
 from shared.config import EngineConfig
 from shared.engine.accelerate import prebuild_gemm_shapes
 from shared.engine.engine import LLMEngine
@@ -63,6 +63,13 @@ def test_the_padded_product_is_the_product(rows: int) -> None:
 TIERS = ["avx512_bf16", "avx512", "avx2", "reference"]
 
 
+def _onednn_bf16_cpu() -> bool:
+    """From /proc/cpuinfo, the rule torch states for its bf16 oneDNN path: AVX-512 BW/VL/DQ,
+    or AVX2 with the VNNI-2 bf16 conversions (AVX-NE-CONVERT)."""
+    flags = set(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
+    return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+
+
 @pytest.mark.parametrize("tier", TIERS)
 def test_new_prompt_lengths_build_no_new_gemm(make_checkpoint: Callable[..., Path], tier: str,
                                               capfd: pytest.CaptureFixture[str]) -> None:
@@ -73,7 +80,8 @@ def test_new_prompt_lengths_build_no_new_gemm(make_checkpoint: Callable[..., Pat
         kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=512, kernel_tier=tier))
     linears = [m for m in engine.runner.model.modules() if isinstance(m, dense.DenseLinear)]
     assert linears and {str(m.path.backend) for m in linears} == {tier}
-    gemm_in_bf16 = backend_tier(tier) in BF16_GEMM_TIERS
+    assert onednn_bf16_gemm() == _onednn_bf16_cpu()
+    gemm_in_bf16 = backend_tier(tier) in BF16_GEMM_TIERS and onednn_bf16_gemm()
     capfd.readouterr()
     with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
         for i, length in enumerate((37, 211, 333, 509)):  # lengths the warm-up never ran
@@ -86,6 +94,8 @@ def test_new_prompt_lengths_build_no_new_gemm(make_checkpoint: Callable[..., Pat
     assert [line for line in bf16_gemms if "cache_miss" in line] == []
     if gemm_in_bf16:  # the prompts did run through oneDNN's bf16 GEMM, from its cache
         assert any("cache_hit" in line for line in bf16_gemms)
+    else:  # widened to fp32, or torch's own bf16 GEMM (no AVX-512): oneDNN ran none in bf16
+        assert bf16_gemms == []
     # from_config built them: running the pre-build again builds the same shapes (none where
     # bf16 products are widened to fp32: no bf16 GEMM to cache).
     assert (prebuild_gemm_shapes(engine.runner.model, engine.config) > 0) == gemm_in_bf16
