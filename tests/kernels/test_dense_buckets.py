@@ -22,7 +22,7 @@ from shared.config import EngineConfig
 from shared.engine.accelerate import prebuild_gemm_shapes
 from shared.engine.engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
-from shared.kernel_tiers import backend_tier, cpu_tier
+from shared.kernel_tiers import backend_tier, cpu_tier, read_cpu_flags
 
 
 def test_rows_up_to_max_rows_are_not_padded() -> None:
@@ -66,7 +66,8 @@ TIERS = ["avx512_bf16", "avx512", "avx2", "reference"]
 def _onednn_bf16_cpu() -> bool:
     """From /proc/cpuinfo, the rule torch states for its bf16 oneDNN path: AVX-512 BW/VL/DQ,
     or AVX2 with the VNNI-2 bf16 conversions (AVX-NE-CONVERT)."""
-    flags = set(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
+    flags = read_cpu_flags()
+    assert flags is not None, "no /proc/cpuinfo"
     return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
 
 
