@@ -4,6 +4,11 @@ broken-on-purpose ones: a padded vocabulary that emits ids the tokenizer cannot 
 model whose weights are all NaN, and one whose single weight is NaN (in one token's
 embedding row: only prompts holding that token get NaN logits).
 
+Under pytest-xdist (scripts/test runs two processes), work is handed out a module at a time,
+except that tests/router/fleet/, whose modules share a session fixture of six real SmolLM2
+worker processes (~4.5 GB), is one unit and goes out first: a second process must never start
+a second fleet, and the longest unit is best begun early.
+
 Engines in tests run on 1 thread (fast and stable on a busy 2-core box); EngineConfig's
 num_threads sets torch's process-wide count, so each test puts it back, and likewise the
 kernel-tier cap.
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +28,34 @@ from kernels.tier import set_max_tier
 from shared.config import kernel_tier_from_env
 from shared.model.make_model import VOCAB_SIZE, ModelSpec, write_checkpoint
 from shared.model.registry import resolve_model
+
+# Modules under this directory share one session fixture too big to start twice.
+FLEET_DIR = "tests/router/fleet/"
+
+
+def _work_unit(nodeid: str) -> str:
+    """The xdist work unit of a test: its module, or the whole fleet directory."""
+    return FLEET_DIR if nodeid.startswith(FLEET_DIR) else nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The fleet's tests first (a stable sort: the rest keep their order). Under xdist the
+    longest unit then starts at once, instead of last with the other process idle."""
+    items.sort(key=lambda item: not item.nodeid.startswith(FLEET_DIR))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile` (module-scoped fixtures set up once) with the fleet directory as one
+    unit, handed out in collection order rather than by test count."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class FleetScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return FleetScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -125,7 +125,8 @@ _BYTES_BUCKETS = tuple(float(2**k) for k in range(16, 34, 2))  # 64 KiB .. 8 GiB
 
 
 class KVTransferMetrics:
-    """The KV service's collectors; `bind_leases` wires the gauges to a lease table.
+    """The KV service's collectors; `bind` wires the gauges to the live transfer, `unbind`
+    lets it go when the service closes.
 
     Labels: `mode` (pull/push) and `side` (send/receive) on the histograms, `reason` (the
     error code) on failures.
@@ -154,6 +155,13 @@ class KVTransferMetrics:
     def bind(self, held_blocks: Callable[[], float], oldest_age: Callable[[], float]) -> None:
         self.held_blocks.set_function(held_blocks)
         self.oldest_lease_age.set_function(oldest_age)
+
+    def unbind(self) -> None:
+        """Point the gauges at zero (a closed service holds nothing). The registry can outlive
+        the service (it is the worker's), and a gauge still bound to the transfer would keep
+        the engine and its weights reachable after shutdown."""
+        self.held_blocks.set_function(lambda: 0.0)
+        self.oldest_lease_age.set_function(lambda: 0.0)
 
     def observe(self, mode: str, side: str, seconds: float, nbytes: int) -> None:
         self.transfer_seconds.labels(mode, side).observe(seconds)

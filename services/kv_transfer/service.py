@@ -142,3 +142,4 @@ class KVTransferService:
         if self._http is not None:
             await self._http.close()
         self.ctx.peer_client = None
+        self.metrics.unbind()

@@ -3,7 +3,7 @@
 The workers are started once per session (each costs ~0.5 s once torch is warm) and shared by
 every test; tests leave them holding no blocks, which each test checks for itself. The
 subprocess workers of the kill tests are launched at session start, only when those tests
-were collected, so their start-up overlaps the other tests.
+were collected, so their start-up overlaps the other tests (when run serially).
 """
 
 from __future__ import annotations
@@ -76,6 +76,10 @@ def process_pair(tiny_model: Path,
 
 @pytest.fixture(scope="session", autouse=True)
 def _early_process_pair(request: pytest.FixtureRequest) -> None:
-    """Launch the kill tests' processes first thing, if any kill test is collected."""
+    """Launch the kill tests' processes first thing, if any kill test is collected. Not under
+    xdist: every process collects every test, so each would launch a pair it may never use;
+    there the first kill test starts them."""
+    if hasattr(request.config, "workerinput"):
+        return
     if any("process_pair" in getattr(item, "fixturenames", ()) for item in request.session.items):
         request.getfixturevalue("process_pair")

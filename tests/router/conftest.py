@@ -1,11 +1,12 @@
-"""Fixtures: a router app in front of in-process fake workers (tests/support/fake_worker.py), and the
-real worker processes the slow end-to-end tests share (tests/support/real_mesh.py)."""
+"""Fixtures: a router app in front of in-process fake workers (tests/support/fake_worker.py), and
+two real tiny workers in process. The real SmolLM2 worker processes that the slow end-to-end
+tests share are in fleet/conftest.py."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -16,7 +17,6 @@ from services.router.config import BreakerConfig, RouterConfig
 from services.router.state import STATE_KEY, RouterState
 from tests.support.fake_worker import FakeWorker
 
-FLEET_START_TIMEOUT_S = 240.0
 TINY_READY_S = 60.0  # six SmolLM2 loads at once on a loaded 2-core machine
 
 
@@ -86,20 +86,6 @@ async def make_mesh() -> AsyncIterator[MeshFactory]:
         await mesh.client.close()
         for w in mesh.workers:
             await w.close()
-
-
-@pytest.fixture(scope="session")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """The shared real workers (tests.support.real_mesh.Fleet), started on first use; logs in a temp dir."""
-    from tests.support.real_mesh import (
-        Fleet,  # imports the worker stack: only the slow tests pay for it
-    )
-
-    fleet = Fleet.create(tmp_path_factory.mktemp("router-fleet"))
-    try:
-        yield fleet.start(FLEET_START_TIMEOUT_S)
-    finally:
-        fleet.stop()
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 Each replica is a fake worker on its own loopback address (127.0.0.x, one port for all, as
 behind a DNS name); `FakeResolver` is the name service, changed by the test. The real-model
-test with requests running through the changes is test_router_discovery_dns.py.
+test with requests running through the changes is fleet/test_router_discovery_dns.py.
 """
 
 from __future__ import annotations

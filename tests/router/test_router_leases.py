@@ -1,7 +1,7 @@
 """Pull mode: a decode leg that ends without success gets the prefill's lease aborted at once.
 
 Against fake workers, which record every `POST /v1/kv_transfer/abort` body; the real-process
-version (held blocks freed on a real prefill) is in test_router_real_e2e.py.
+version (held blocks freed on a real prefill) is in fleet/test_router_real_e2e.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 in-stream error event; or its engine thread stops: a stall) continues on the other worker, and
 the client sees exactly the uninterrupted stream (ids, text, one completion id, usage).
 
-The slow module test_router_migration_real.py does the same with SIGKILL / SIGSTOP of worker
+The slow module fleet/test_router_migration_real.py does the same with SIGKILL / SIGSTOP of worker
 processes under 16 streams."""
 
 from __future__ import annotations
