@@ -29,15 +29,20 @@ def mesh_url(tmp_path_factory: pytest.TempPathFactory):
     subprocess.run(_cli("make-model", str(model), "--preset", "tiny", "--arch", "llama",
                         "--seed", "0", "--untied"), cwd=ROOT, check=True, capture_output=True)
     port = free_port()
+    # Output to a file, not a pipe nobody reads: the router logs every request (the health
+    # polls too), and once a 64 KiB pipe is full `up` blocks relaying it, and with it the mesh
+    # (this fixture once took 92 s to start and 40 s to stop, then a SIGKILL).
+    log_path = model.parent / "up.log"
+    log = log_path.open("wb")
     proc = subprocess.Popen(_cli("up", "--model", str(model), "--port", str(port),
                                  "--threads", "1", "--ready-timeout", "120"),
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read().decode()
+            assert proc.poll() is None, log_path.read_text()
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as resp:
                     if resp.status == 200:
@@ -55,6 +60,7 @@ def mesh_url(tmp_path_factory: pytest.TempPathFactory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        log.close()
 
 
 def test_bench_against_local_mesh(mesh_url, tmp_path: Path) -> None:
