@@ -1,7 +1,8 @@
 """Single-stream decode tok/s: pdmesh (bf16, MXFP4) against llama.cpp (Q4_1, bf16), one run.
 
     .venv/bin/python benchmarks/llamacpp_decode.py [--rounds 3] [--threads 2]
-        [--systems pdmesh-bf16,pdmesh-mxfp4,pdmesh-mxfp4-head,llamacpp-q4_1,llamacpp-bf16,
+        [--systems pdmesh-bf16,pdmesh-mxfp4,pdmesh-mxfp4-head,pdmesh-mxfp4-a8,pdmesh-mxfp4-a8-head,
+                   llamacpp-q4_1,llamacpp-bf16,
                    pdmesh-bf16-noscreen,pdmesh-mxfp4-noscreen]
         [--cache ~/.cache/pdmesh/peers] [--decode-tokens 128] [--json out.json]
 
@@ -30,9 +31,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 # pdmesh-mxfp4-head: the LM head in MXFP4 too (llama.cpp's Q4_1 file keeps its head at Q8_0).
+# pdmesh-mxfp4-a8*: int8 activations in the MXFP4 linears (EngineConfig.quant_activations), as
+# llama.cpp's Q4_1 kernels run (Q8_1 activations): the like-for-like comparison on AVX2 CPUs.
 # *-noscreen: greedy tokens from the whole bf16 head (EngineConfig.greedy_screen off), not from
 # its int8 screen (kernels/dense/greedy_head.py); the tokens are the same. Not in the default.
-SYSTEMS = ("pdmesh-bf16", "pdmesh-mxfp4", "pdmesh-mxfp4-head", "llamacpp-q4_1", "llamacpp-bf16")
+SYSTEMS = ("pdmesh-bf16", "pdmesh-mxfp4", "pdmesh-mxfp4-head", "pdmesh-mxfp4-a8",
+           "pdmesh-mxfp4-a8-head", "llamacpp-q4_1", "llamacpp-bf16")
 ALL_SYSTEMS = (*SYSTEMS, "pdmesh-bf16-noscreen", "pdmesh-mxfp4-noscreen")
 VOCAB_LOW, VOCAB_HIGH = 100, 40000  # plain-text token ids of SmolLM2's vocabulary
 PROMPT_LEN = 16
@@ -50,7 +54,7 @@ def decode_rate(stamps: list[float]) -> float:
 
 # ---- children: one system each, printing one JSON line ---------------------------------------
 def child_pdmesh(args: argparse.Namespace, quantization: str | None, head: bool,
-                 screen: bool) -> list[float]:
+                 screen: bool, activations: str = "float") -> list[float]:
     sys.path.insert(0, str(ROOT))
     from shared.config import EngineConfig
     from shared.engine.engine import LLMEngine
@@ -59,7 +63,7 @@ def child_pdmesh(args: argparse.Namespace, quantization: str | None, head: bool,
     engine = LLMEngine.from_config(EngineConfig(
         model="smollm2-135m-instruct", dtype="bfloat16", num_threads=args.threads,
         quantization=quantization, quantize_lm_head=head, enable_prefix_caching=False,
-        greedy_screen=screen))
+        greedy_screen=screen, quant_activations=activations))
     engine.warmup()
 
     def once(seed: int, n: int) -> list[float]:
@@ -147,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.side:
         if args.side.startswith("pdmesh"):
             rates = child_pdmesh(args, "mxfp4" if "mxfp4" in args.side else None,
-                                 args.side.endswith("-head"), not args.side.endswith("-noscreen"))
+                                 args.side.endswith("-head"), not args.side.endswith("-noscreen"),
+                                 "int8" if "-a8" in args.side else "float")
         else:
             rates = child_llama(args, args.gguf)
         print(json.dumps(rates))

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/perplexity.py [--model NAME_OR_DIR] [--dtype bfloat16 float32]
                                               [--threads 2] [--encoder ocp mse]
                                               [--text story technical] [--no-lm-head]
+                                              [--activations float int8] [--chunk 32]
 
 Every variant loads the same checkpoint through shared.model.loader and runs each text (a
 story, TEXT, ~520 tokens; technical instructions, TECH_TEXT, ~440) as one prefill over the
@@ -14,6 +15,10 @@ calibration) are measured by benchmarks/gptq_mxfp4.py on the same texts. Variant
 each MXFP4 variant once per --encoder (how block exponents are picked: kernels/mxfp4/encoder.py).
 Prefill runs more than 32 rows, so the linears dequantise exactly and call torch's matmul:
 the figures measure the weight format, not the fused kernel's accumulation order.
+--activations int8 adds each MXFP4 variant with int8 activations (W4A8, the fused kernel's
+EngineConfig.quant_activations); those apply to decode-sized steps only, so the text then runs
+as a chunked prefill of --chunk (<= 32) rows per step, and the float variants run the same
+chunks beside them (the fused fp32 kernel): the difference is the activations' alone.
 """
 
 from __future__ import annotations
@@ -99,29 +104,36 @@ TEXTS = {"story": TEXT, "technical": TECH_TEXT}
 VARIANTS = ("dense", "mxfp4", "mxfp4+lm_head")
 
 
-def load(model_dir: Path, dtype: str, variant: str, encoder: str):
-    from kernels.mxfp4 import Encoder
+def load(model_dir: Path, dtype: str, variant: str, encoder: str, activations: str = "float"):
+    from kernels.mxfp4 import Activations, Encoder
     from shared.model.loader import load_model
     from shared.model.quant import QuantConfig
 
     quant = None if variant == "dense" else QuantConfig(quantize_lm_head=variant.endswith("head"),
-                                                        encoder=Encoder(encoder))
+                                                        encoder=Encoder(encoder),
+                                                        activations=Activations(activations))
     model, _ = load_model(model_dir, dtype, quantization=quant)
     return model
 
 
 @torch.inference_mode()
-def perplexity(model, ids: list[int], block_size: int = 16) -> float:
-    """exp(mean NLL) of ids[1:] given their prefixes, in one prefill over a fresh KV cache."""
+def perplexity(model, ids: list[int], chunk: int = 0, block_size: int = 16) -> float:
+    """exp(mean NLL) of ids[1:] given their prefixes, in one prefill over a fresh KV cache, or
+    in steps of `chunk` rows over it."""
     from shared.model.attention import AttentionMetadata
 
     c, n = model.config, len(ids)
     num_blocks = -(-n // block_size)
     kv = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim,
                      dtype=model.dtype)
-    meta = AttentionMetadata.build([0], [n], [list(range(num_blocks))], block_size)
-    hidden = model(torch.tensor(ids), torch.arange(n), meta, kv)  # [n, hidden]
-    logits = model.compute_logits(hidden[:-1])  # [n-1, vocab] fp32
+    step = chunk or n
+    hidden = []
+    for start in range(0, n, step):
+        rows = min(step, n - start)
+        meta = AttentionMetadata.build([start], [rows], [list(range(num_blocks))], block_size)
+        hidden.append(model(torch.tensor(ids[start:start + rows]),
+                            torch.arange(start, start + rows), meta, kv))  # [rows, hidden]
+    logits = model.compute_logits(torch.cat(hidden)[:-1])  # [n-1, vocab] fp32
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="mean")
     return math.exp(float(nll))
 
@@ -135,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--encoder", nargs="+", choices=("ocp", "mse"), default=["ocp", "mse"])
     p.add_argument("--text", nargs="+", choices=tuple(TEXTS), default=list(TEXTS))
     p.add_argument("--no-lm-head", action="store_true", help="skip the mxfp4+lm_head variant")
+    p.add_argument("--activations", nargs="+", choices=("float", "int8"), default=["float"])
+    p.add_argument("--chunk", type=int, default=32,
+                   help="rows per step when int8 activations are measured (at most 32)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from shared.model.registry import resolve_model
@@ -148,16 +163,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model}: tokens of fixed text: {sizes}; {args.threads} threads")
     print(f"{'dtype':<10}{'variant':<24}{'text':<11}{'perplexity':>12}{'vs dense':>10}"
           f"{'seconds':>9}")
+    if not 0 < args.chunk <= 32:
+        p.error("--chunk must be 1..32 (int8 activations run in decode-sized steps)")
+    chunk = args.chunk if "int8" in args.activations else 0
     variants = [v for v in VARIANTS if not (args.no_lm_head and v.endswith("head"))]
-    runs = [("dense", "")] + [(v, e) for e in args.encoder for v in variants if v != "dense"]
+    runs = [("dense", "", "float")] + [(v, e, a) for e in args.encoder for v in variants
+                                        for a in args.activations if v != "dense"]
+    if chunk:
+        print(f"every variant runs the text in steps of {chunk} rows")
     for dtype in args.dtype:
         base: dict[str, float] = {}
-        for variant, encoder in runs:
-            model = load(model_dir, dtype, variant, encoder or "ocp")
-            label = f"{variant} ({encoder})" if encoder else variant
+        for variant, encoder, acts in runs:
+            model = load(model_dir, dtype, variant, encoder or "ocp", acts)
+            label = f"{variant} ({encoder}{', a8' if acts == 'int8' else ''})" if encoder \
+                else variant
             for name, ids in texts.items():
                 start = time.perf_counter()
-                ppl = perplexity(model, ids)
+                ppl = perplexity(model, ids, chunk)
                 elapsed = time.perf_counter() - start
                 base.setdefault(name, ppl)
                 print(f"{dtype:<10}{label:<24}{name:<11}{ppl:>12.3f}"

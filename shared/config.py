@@ -26,6 +26,8 @@ QUANT_ENCODER_CHOICES = ("ocp", "mse")
 # calibration text and so only writes pre-quantised checkpoints.
 GPTQ_METHOD = "gptq"
 QUANTIZE_METHOD_CHOICES = (*QUANT_ENCODER_CHOICES, GPTQ_METHOD)
+# kernels.mxfp4.Activations' values (tests/quant/test_mxfp4_a8.py keeps them equal).
+QUANT_ACTIVATION_CHOICES = ("float", "int8")
 
 
 def default_cache_dir() -> Path:
@@ -133,6 +135,10 @@ class EngineConfig:
     # With quantization: how block exponents are chosen ("ocp" | "mse"; None: the default,
     # shared.model.quant.DEFAULT_ENCODER). A run-time weight transform, so it is hashed.
     quant_encoder: str | None = None
+    # With quantization: how a decode step's activations enter the MXFP4 linears: "float" (as
+    # they are) or "int8" (quantised per 32-block, integer products: W4A8, as llama.cpp's Q4
+    # types run; kernels/mxfp4/csrc/avx2_a8.cpp). Changes the numbers, so it is hashed.
+    quant_activations: str = "float"
     # Greedy rows take their token from the LM head's int8 screen plus the few head rows that
     # could win (kernels/dense/greedy_head.py): the same token, fewer bytes read per step,
     # half the head's size in memory. Off: every row reads the whole head.
@@ -183,6 +189,11 @@ class EngineConfig:
         if self.quant_encoder not in (None, *QUANT_ENCODER_CHOICES):
             raise ValueError(f"quant_encoder must be one of {', '.join(QUANT_ENCODER_CHOICES)}, "
                              f"got {self.quant_encoder!r}")
+        if self.quant_activations not in QUANT_ACTIVATION_CHOICES:
+            raise ValueError(f"quant_activations must be one of "
+                             f"{', '.join(QUANT_ACTIVATION_CHOICES)}, got {self.quant_activations!r}")
+        if self.quant_activations != "float" and self.quantization is None:
+            raise ValueError("quant_activations int8 needs quantization (mxfp4)")
         if self.grammar_cache_size < 1 or not self.grammar_compile_timeout_s > 0:
             raise ValueError("grammar_cache_size must be >= 1 and grammar_compile_timeout_s > 0")
 

@@ -19,6 +19,11 @@ constexpr int64_t kPathScalar = 0;      // plain C++ (mxfp4 only; dense's refere
 constexpr int64_t kPathAvx512 = 1;      // AVX-512 F/BW/VL/DQ, fp32 FMA, never vdpbf16ps
 constexpr int64_t kPathAvx2 = 2;        // AVX2 + FMA + F16C, fp32 FMA
 constexpr int64_t kPathAvx512Bf16 = 3;  // as kPathAvx512, but vdpbf16ps for bf16 x
+// ORed onto an MXFP4 path id: the fused linear quantises x to int8 per 32-block first (W4A8,
+// kernels/mxfp4/csrc/kernels.h quantize_x_a8) and multiplies integers. Only the linear ops
+// (pdmesh_mxfp4::linear, column_kernel) take it; it travels through kernels.dense's fused layer
+// as part of the MXFP4 path id.
+constexpr int64_t kActInt8 = 16;
 
 // features() bits: which tiers' code the library contains, and what this CPU reports.
 constexpr int64_t kHasAvx512Code = 1;

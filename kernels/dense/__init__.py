@@ -105,10 +105,12 @@ def accelerate_linears(model: nn.Module, backend: str | Backend | None = None) -
     return swap_linears(model, kernel_path(backend))
 
 
-def decoder(backend: str | Backend | None = None) -> NativeDecoder | None:
+def decoder(backend: str | Backend | None = None, mxfp4_int8: bool = False,
+            ) -> NativeDecoder | None:
     """The fused decoder layer / native paged attention on `backend`'s library (kernels.dense
-    .layer), or None when that resolves to the reference path (then torch runs everything)."""
-    return native_decoder(kernel_path(backend))
+    .layer), or None when that resolves to the reference path (then torch runs everything).
+    mxfp4_int8: fused MXFP4 projections take int8 activations (EngineConfig.quant_activations)."""
+    return native_decoder(kernel_path(backend), mxfp4_int8)
 
 
 def build_info(build: bool = True) -> BuildInfo:

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 # layer, per dense backend: the same tier (mxfp4: 1 avx512, 2 avx2, 3 avx512_bf16, which uses
 # vdpbf16ps for bf16 x like the dense AVX512_BF16 GEMV).
 MXFP4_PATHS = {Backend.AVX512_BF16: 3, Backend.AVX512: 1, Backend.AVX2: 2}
+MXFP4_ACT_INT8 = 16  # ORed onto an MXFP4 path: int8 activations (kernels.mxfp4.backend.ACT_INT8)
 
 
 @dataclass(frozen=True)
@@ -135,13 +136,14 @@ class NativeDecoder:
     bounds; a tier this CPU cannot run raises).
     """
 
-    def __init__(self, path: KernelPath) -> None:
+    def __init__(self, path: KernelPath, mxfp4_int8: bool = False) -> None:
         if path.library is None or path.backend is Backend.REFERENCE:
             raise ValueError("NativeDecoder needs a compiled backend of the dense library")
         self.path = path
         self._ops = path.library.ops
         self._path_id = path.backend.path_id
-        self.mxfp4_path = MXFP4_PATHS[path.backend]  # what MXFP4 projections run when fused
+        # What MXFP4 projections run when fused; mxfp4_int8: with int8 activations (W4A8).
+        self.mxfp4_path = MXFP4_PATHS[path.backend] | (MXFP4_ACT_INT8 if mxfp4_int8 else 0)
         self._layers = self._ops.decoder_layers.default  # resolved once: the per-step call
 
     @property
@@ -205,11 +207,11 @@ class NativeDecoder:
         self._ops.add_(h, y, self._path_id)
 
 
-def native_decoder(path: KernelPath) -> NativeDecoder | None:
+def native_decoder(path: KernelPath, mxfp4_int8: bool = False) -> NativeDecoder | None:
     """A NativeDecoder on path's library, or None for the reference path (no C++ here)."""
     if path.backend is Backend.REFERENCE or path.library is None:
         return None
-    return NativeDecoder(path)
+    return NativeDecoder(path, mxfp4_int8)
 
 
 def pack_contiguous(tensors: list[torch.Tensor | None], align: int = 64) -> int:

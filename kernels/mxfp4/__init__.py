@@ -16,11 +16,12 @@ from __future__ import annotations
 import torch
 
 from kernels._native import BackendUnavailableError, BuildInfo, BuildState, Dispatch
-from kernels.mxfp4.backend import FASTEST_FIRST, Backend, KernelPath
+from kernels.mxfp4.backend import FASTEST_FIRST, Activations, Backend, KernelPath
 from kernels.mxfp4.build import BuildConfig, Variant, recipe
 from kernels.mxfp4.encoder import Encoder
 
 __all__ = [
+    "Activations",
     "Backend",
     "BackendUnavailableError",
     "BuildConfig",
@@ -83,9 +84,11 @@ def linear(
     scales: torch.Tensor,
     bias: torch.Tensor | None = None,
     backend: str | Backend | None = None,
+    activations: Activations = Activations.FLOAT,
 ) -> torch.Tensor:
-    """x [..., K] @ W.T (+ bias) -> [..., N] in x's dtype; W is blocks [N, K/32, 16], scales [N, K/32]."""
-    return kernel_path(backend).linear(x, blocks, scales, bias)
+    """x [..., K] @ W.T (+ bias) -> [..., N] in x's dtype; W is blocks [N, K/32, 16], scales [N, K/32].
+    activations=INT8 quantises x to int8 per 32-block first (W4A8)."""
+    return kernel_path(backend).linear(x, blocks, scales, bias, activations)
 
 
 def build_info(build: bool = True) -> BuildInfo:

@@ -24,6 +24,21 @@ from kernels.mxfp4.format import (
 from kernels.tier import Tier
 
 FUSED_MAX_ROWS = 32  # linear() with more rows dequantises once and calls torch's matmul
+ACT_INT8 = 16  # ORed onto a path id: the linear op quantises x to int8 first (csrc/native.h)
+
+
+class Activations(StrEnum):
+    """How x enters the fused linear: as it is (fp32, or bf16 widened / vdpbf16ps), or quantised
+    to int8 per 32-block with one fp32 scale each (W4A8: integer products, llama.cpp's Q8
+    activations). INT8 runs one kernel on every compiled path (avx2_a8.cpp; AVX-512 CPUs run
+    its AVX2 code) and the scalar one elsewhere; reference.linear_a8 is its oracle."""
+
+    FLOAT = "float"
+    INT8 = "int8"
+
+    def op_path(self, path_id: int) -> int:
+        """The `path` argument of the linear ops for this activation mode."""
+        return path_id | ACT_INT8 if self is Activations.INT8 else path_id
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # dtypes the C++ ops produce directly
 
 
@@ -125,15 +140,18 @@ class KernelPath(NativePath[Backend]):
         blocks: torch.Tensor,
         scales: torch.Tensor,
         bias: torch.Tensor | None = None,
+        activations: Activations = Activations.FLOAT,
     ) -> torch.Tensor:
         """x [..., K] @ W.T (+ bias), W [N, K] stored as blocks [N, K/32, 16], scales [N, K/32].
 
         Up to FUSED_MAX_ROWS rows run the fused kernel on the packed bytes (fp32 accumulation);
-        more rows dequantise W once and use torch's matmul. The result has x's dtype.
+        more rows dequantise W once and use torch's matmul. The result has x's dtype. INT8
+        activations run the int8 kernel for any number of rows (reference.linear_a8).
         """
         check_linear(x, blocks, scales, bias)
+        int8 = activations is Activations.INT8
         if self.library is None:
-            return reference.linear(x, blocks, scales, bias)
+            return (reference.linear_a8 if int8 else reference.linear)(x, blocks, scales, bias)
         _cpu_only(x, blocks, scales, bias)
         # The fast path (2-D, native dtype, contiguous) makes no copies: decode calls are ~10 us.
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -143,12 +161,13 @@ class KernelPath(NativePath[Backend]):
             x2 = x2.contiguous()
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             bias = bias.to(torch.float32).contiguous()
-        if x2.shape[0] > FUSED_MAX_ROWS:
+        if x2.shape[0] > FUSED_MAX_ROWS and not int8:
             w = self.dequantize(blocks, scales, x2.dtype)
             y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x2.dtype))
         else:
             y = self.library.ops.linear(
-                x2, blocks.contiguous(), scales.contiguous(), bias, self.backend.path_id
+                x2, blocks.contiguous(), scales.contiguous(), bias,
+                activations.op_path(self.backend.path_id)
             )
         if y.dtype != x.dtype:
             y = y.to(x.dtype)

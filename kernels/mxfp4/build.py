@@ -59,7 +59,7 @@ def recipe(config: BuildConfig) -> Recipe:
     sources: tuple[str, ...] = ("ops.cpp", "scalar.cpp")
     cflags: tuple[str, ...] = (f"-DPDMESH_MXFP4_NS={config.namespace}",)
     if config.variant is Variant.FULL:
-        sources += ("avx2.cpp", "avx2_linear.cpp", "avx512.cpp", "avx512_linear.cpp")
+        sources += ("avx2.cpp", "avx2_linear.cpp", "avx2_a8.cpp", "avx512.cpp", "avx512_linear.cpp")
     else:
         cflags += ("-DPDMESH_MXFP4_SCALAR_ONLY",)
     return Recipe(config.namespace, CSRC, sources, Path(__file__), cflags,

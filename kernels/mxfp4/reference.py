@@ -129,3 +129,41 @@ def linear(
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype)
+
+
+# ---- Int8 activations (W4A8): the oracle of the kernels' `activations=INT8` mode ---------------
+A8_MAX = 127  # |q| bound: d = amax / 127
+
+
+def quantize_x_a8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float [..., K] -> (q int8 [..., K], d float32 [..., K/32]), natural element order.
+
+    Per 32-block, in float32 as the kernels compute it (every step one IEEE rounding):
+    d = amax / 127, q = round_half_even(x * (1 / d)). An all-zero block gets d = 0, q = 0; a
+    block holding Inf or NaN gets d = NaN, q = 0, so every output reading it is NaN."""
+    v = x.to(torch.float32).unflatten(-1, (-1, BLOCK_SIZE))
+    amax = v.abs().amax(-1)  # NaN propagates
+    finite = torch.isfinite(amax)
+    live = finite & (amax > 0)
+    d = torch.where(finite, amax / A8_MAX, torch.nan)
+    inv = torch.where(live, 1.0 / torch.where(live, d, 1.0), 0.0)
+    q = torch.round(torch.where(live.unsqueeze(-1), v, 0.0) * inv.unsqueeze(-1))
+    return q.to(torch.int8).flatten(-2), d
+
+
+def linear_a8(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias) with x quantised by quantize_x_a8: float64 sums of the exact
+    products q * w * d (the kernels sum the same terms in fp32). The result is float64 for
+    float64 x, else rounded to fp32 and then to x.dtype, as the kernels round theirs."""
+    check_linear(x, blocks, scales, bias)
+    q, d = quantize_x_a8(x)
+    xq = (q.to(torch.float64).unflatten(-1, (-1, BLOCK_SIZE)) * d.to(torch.float64).unsqueeze(-1))
+    y = xq.flatten(-2) @ dequantize(blocks, scales, torch.float64).T
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y if x.dtype == torch.float64 else y.to(torch.float32).to(x.dtype)

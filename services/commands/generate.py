@@ -6,7 +6,12 @@ import argparse
 import sys
 
 from kernels.tier import TIER_CHOICES
-from shared.config import DEFAULT_MODEL, DTYPE_CHOICES, QUANTIZE_METHOD_CHOICES
+from shared.config import (
+    DEFAULT_MODEL,
+    DTYPE_CHOICES,
+    QUANT_ACTIVATION_CHOICES,
+    QUANTIZE_METHOD_CHOICES,
+)
 
 HELP = "Generate text for one prompt (--prompt) or one chat message (--chat) offline."
 
@@ -33,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant-encoder", choices=QUANTIZE_METHOD_CHOICES, default=None,
                         help="with --quantization: ocp or mse block exponents (default mse; "
                              "gptq only through `pdmesh quantize --method gptq`)")
+    parser.add_argument("--quant-activations", choices=QUANT_ACTIVATION_CHOICES, default="float",
+                        help="with --quantization: float, or int8 activations (W4A8)")
     parser.add_argument("--kernel-tier", default=None, choices=TIER_CHOICES,
                         help="highest native kernel tier (default: $PDMESH_KERNEL_TIER, else auto)")
     parser.add_argument("--stats", action="store_true", help="print token counts and speed")
@@ -52,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
                               num_threads=args.threads,
                               quantization=args.quantization,
                               quant_encoder=args.quant_encoder,
+                              quant_activations=args.quant_activations,
                               kernel_tier=args.kernel_tier or kernel_tier_from_env())
         engine = LLMEngine.from_config(config)
         tok = engine.tokenizer

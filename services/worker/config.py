@@ -28,6 +28,7 @@ from shared.config import (
     DEFAULT_MODEL,
     DTYPE_CHOICES,
     KERNEL_TIER_ENV,
+    QUANT_ACTIVATION_CHOICES,
     QUANTIZE_METHOD_CHOICES,
     EngineConfig,
     auto_dtype,
@@ -215,6 +216,7 @@ def _engine_config(args: argparse.Namespace, environ: Mapping[str, str],
         quantization=args.quantization,
         quantize_lm_head=args.quantize_lm_head,
         quant_encoder=args.quant_encoder,
+        quant_activations=args.quant_activations,
         greedy_screen=not args.no_greedy_screen,
         seed=args.seed,
         kernel_tier=kernel_tier,
@@ -304,6 +306,10 @@ def _add_engine_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> N
                      help="with --quantization: how block exponents are picked (ocp: the OCP "
                           "rule; mse: least squared error per block; default mse); gptq is "
                           "refused here: it needs calibration (`pdmesh quantize --method gptq`)")
+    eng.add_argument("--quant-activations", default="float", choices=QUANT_ACTIVATION_CHOICES,
+                     help="with --quantization: how decode rows enter the MXFP4 linears (float: "
+                          "as they are; int8: quantised per 32-block, integer products, W4A8 "
+                          "as llama.cpp's Q4 types; faster on AVX2-only CPUs)")
     eng.add_argument("--no-greedy-screen", action="store_true",
                      help="greedy rows read the whole LM head (default: an int8 screen of it "
                           "plus the few rows that could win; the same tokens, fewer bytes per "

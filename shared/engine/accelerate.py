@@ -39,7 +39,7 @@ def accelerate(model: torch.nn.Module, config: EngineConfig) -> None:
                           prebuilt_dir=BuildConfig.from_env().prebuilt_dir))
     swapped = accelerate_linears(model)
     log.info("kernels.dense: %d bf16 linear layers use the fast GEMV path", swapped)
-    native = decoder()
+    native = decoder(mxfp4_int8=config.quant_activations == "int8")
     use_native = getattr(model, "use_native", None)  # models without a native path lack it
     built = prebuild_gemm_shapes(model, config)
     log.info("kernels.dense: %d bf16 GEMM shapes built ahead of serving", built)

@@ -396,6 +396,7 @@ def _quant_config(config: EngineConfig) -> QuantConfig | None:
     what a pre-quantised checkpoint stores)."""
     if config.quantization is None:
         return None
-    quant = QuantConfig.parse(config.quantization, config.quant_encoder or DEFAULT_ENCODER)
+    quant = QuantConfig.parse(config.quantization, config.quant_encoder or DEFAULT_ENCODER,
+                              config.quant_activations)
     assert quant is not None and quant.method is QuantMethod(config.quantization)
     return replace(quant, quantize_lm_head=True if config.quantize_lm_head else None)

@@ -24,12 +24,13 @@ def weight_transforms(config: EngineConfig) -> WeightTransforms:
     # imports the kernels; only needed here
     from shared.model.quant import DEFAULT_ENCODER, QuantConfig
 
-    quant = QuantConfig.parse(config.quantization, config.quant_encoder or DEFAULT_ENCODER)
+    quant = QuantConfig.parse(config.quantization, config.quant_encoder or DEFAULT_ENCODER,
+                              config.quant_activations)
     if quant is None:
         return WeightTransforms()
     head = quant.method if (config.quantize_lm_head or quant.lm_head) else "dense"
     return WeightTransforms(quantization=str(quant.method), lm_head=str(head),
-                            encoder=str(quant.encoder))
+                            encoder=str(quant.encoder), activations=str(quant.activations))
 
 
 def kv_spec_of(model_id: str, weights_fingerprint: str, engine: EngineConfig,

@@ -74,6 +74,8 @@ class QuantConfig:
     quantize_lm_head: bool | None = None
     prequantized: bool = False
     backend: str | None = None
+    # How decode rows enter the quantised linears (mxfp4.Activations): float, or int8 (W4A8).
+    activations: mxfp4.Activations = mxfp4.Activations.FLOAT
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES
     # HF module-name patterns left dense (a checkpoint's `modules_to_not_convert`, e.g.
     # gpt-oss's "model.layers.*.self_attn"): a match of the module or one of its parents.
@@ -91,16 +93,20 @@ class QuantConfig:
 
     @staticmethod
     def parse(value: QuantConfig | str | None,
-              encoder: mxfp4.Encoder | str = DEFAULT_ENCODER) -> QuantConfig | None:
-        """EngineConfig.quantization (None | "mxfp4") and quant_encoder ("ocp" | "mse"), or a
-        QuantConfig (taken as it is) -> QuantConfig | None."""
+              encoder: mxfp4.Encoder | str = DEFAULT_ENCODER,
+              activations: mxfp4.Activations | str = mxfp4.Activations.FLOAT,
+              ) -> QuantConfig | None:
+        """EngineConfig.quantization (None | "mxfp4"), quant_encoder ("ocp" | "mse") and
+        quant_activations ("float" | "int8"), or a QuantConfig (taken as it is) ->
+        QuantConfig | None."""
         if value is None or isinstance(value, QuantConfig):
             return value
         try:
             method = QuantMethod(value)
         except ValueError:
             raise ValueError(f"unsupported quantization {value!r} (supported: mxfp4)") from None
-        return QuantConfig(method=method, encoder=parse_encoder(encoder))
+        return QuantConfig(method=method, encoder=parse_encoder(encoder),
+                           activations=mxfp4.Activations(activations))
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json `quantization_config` entry of a checkpoint written with this."""
@@ -188,7 +194,8 @@ class MXFP4Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  path: mxfp4.KernelPath, scratch: DequantScratch,
-                 encoder: mxfp4.Encoder = DEFAULT_ENCODER) -> None:
+                 encoder: mxfp4.Encoder = DEFAULT_ENCODER,
+                 activations: mxfp4.Activations = mxfp4.Activations.FLOAT) -> None:
         super().__init__()
         if in_features % BLOCK:
             raise ValueError(f"MXFP4 needs in_features to be a multiple of {BLOCK}, "
@@ -201,16 +208,19 @@ class MXFP4Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False) if bias
                      else None)  # inference only: the C++ op has no autograd
         self.path, self.scratch, self.encoder = path, scratch, encoder
+        self.activations = activations  # decode rows only: prefill GEMMs take x as it is
         # The C++ op (None on the reference backend): called without KernelPath's per-call
         # checks, which cost ~10 us against a ~30 us GEMV; forward() vets x instead.
         self._op = None if path.library is None else path.library.ops.linear
-        self._path_id = None if path.library is None else path.backend.path_id
+        self._path_id = (None if path.library is None
+                         else activations.op_path(path.backend.path_id))
 
     @classmethod
     def like(cls, linear: nn.Linear, path: mxfp4.KernelPath, scratch: DequantScratch,
-             encoder: mxfp4.Encoder = DEFAULT_ENCODER) -> MXFP4Linear:
+             encoder: mxfp4.Encoder = DEFAULT_ENCODER,
+             activations: mxfp4.Activations = mxfp4.Activations.FLOAT) -> MXFP4Linear:
         return cls(linear.in_features, linear.out_features, linear.bias is not None, path,
-                   scratch, encoder)
+                   scratch, encoder, activations)
 
     def fusable(self, mxfp4_path: int) -> bool:
         """Whether kernels.dense's fused decoder layer, which calls the full library's linear
@@ -227,6 +237,9 @@ class MXFP4Linear(nn.Module):
             return self._op(x, self.weight_blocks, self.weight_scales, self.bias, self._path_id)
         if rows > FUSED_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
             return self._forward_batch(x)
+        if 0 < rows <= FUSED_MAX_ROWS:  # decode rows of another dtype or layout
+            return self.path.linear(x, self.weight_blocks, self.weight_scales, self.bias,
+                                    self.activations)
         return self.path.linear(x, self.weight_blocks, self.weight_scales, self.bias)
 
     def _forward_batch(self, x: torch.Tensor) -> torch.Tensor:
@@ -295,7 +308,8 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, lm_head_name: str = "
                 continue
             with child.weight.device:  # meta stays meta: materialise allocates it later
                 setattr(parent, child_name,
-                        MXFP4Linear.like(child, path, scratch, quant.encoder))
+                        MXFP4Linear.like(child, path, scratch, quant.encoder,
+                                         quant.activations))
             count += 1
     return count
 

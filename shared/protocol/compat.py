@@ -55,6 +55,9 @@ class WeightTransforms:
     lm_head: str = "dense"  # format of the LM head (it samples the prefill's first token)
     # How the quantised blocks' exponents were chosen ("ocp" | "mse"): same format, other bytes.
     encoder: str = "none"
+    # How decode rows enter the quantised linears ("float" | "int8"): a short prompt's prefill
+    # runs them too, so int8 activations change the KV bytes.
+    activations: str = "float"
 
     def items(self) -> tuple[tuple[str, str], ...]:
         """Canonical (name, value) pairs, sorted: the factor's hashable form."""

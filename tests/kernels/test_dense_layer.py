@@ -354,6 +354,46 @@ def test_decode_team_equals_the_per_op_driver(native: NativeDecoder, arch: str, 
     assert torch.equal(team, oracle)
 
 
+def test_int8_activations_fuse_and_match_their_oracle(
+        native: NativeDecoder, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """quant_activations int8 (W4A8): every layer still fuses, the team on 2 threads equals the
+    per-op driver on 1, bit for bit. The oracle is the plain-torch bf16 model whose MXFP4
+    linears run reference.linear_a8: the fused logits stay within 2 bf16 ulps of its largest
+    logit, with the same greedy tokens, and their mean distance is under a quarter of what
+    int8 activations change (the same oracle with float activations), so the kernel computes
+    the int8 function, not the float one."""
+    base = tmp_path_factory.getbasetemp()
+    ckpt = _checkpoint("llama", base)
+    int8 = mxfp4.Activations.INT8
+    a8 = dense.decoder(native.path.backend, mxfp4_int8=True)
+    assert a8 is not None and a8.mxfp4_path == native.mxfp4_path | 16
+    quant = QuantConfig(backend=_mxfp4_backend(native), activations=int8)
+    model = load_model(ckpt, "bfloat16", quantization=quant)[0]
+    assert model.use_native(a8) == model.num_local_layers
+    per_op = a8.decoder_layers
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        team = _run(model, SMALL_STEPS)
+        a8.decoder_layers = partial(per_op, team=False)  # type: ignore[method-assign]
+        torch.set_num_threads(1)
+        single = _run(model, SMALL_STEPS)
+    finally:
+        a8.decoder_layers = per_op  # type: ignore[method-assign]
+        torch.set_num_threads(saved)
+    assert torch.equal(team, single)
+
+    def oracle(activations: mxfp4.Activations) -> torch.Tensor:
+        quant = QuantConfig(backend="reference", activations=activations)
+        return _run(load_model(ckpt, "bfloat16", quantization=quant)[0], SMALL_STEPS)
+
+    oracle_a8, oracle_float = oracle(int8), oracle(mxfp4.Activations.FLOAT)
+    err = (team - oracle_a8).abs()
+    assert err.max() <= 2 * 2.0**-8 * oracle_a8.abs().max()
+    assert err.mean() < 0.25 * (oracle_a8 - oracle_float).abs().mean()
+    assert torch.equal(team.argmax(-1), oracle_a8.argmax(-1))
+
+
 def test_use_native_refuses_fp32(native: NativeDecoder, tmp_path_factory: pytest.TempPathFactory
                                  ) -> None:
     model = load_model(_checkpoint("llama", tmp_path_factory.getbasetemp()), "float32")[0]

@@ -118,6 +118,9 @@ HASHED = {  # field -> a value that must change the hash (from EngineConfig's de
     "dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "quantization": "mxfp4",
     "quantize_lm_head": True,  # with quantization="mxfp4", against mxfp4 without the head
     "quant_encoder": "ocp",  # with quantization="mxfp4", against the default (mse) exponents
+    # with quantization="mxfp4": a prompt of up to 32 tokens prefills through the fused kernel,
+    # whose int8 activations change the KV bytes
+    "quant_activations": "int8",
 }
 # The checkpoint: the weights fingerprint and the served name (revision and hf_hub_cache pick
 # which snapshot of an org/name model is loaded, like model itself).
@@ -164,7 +167,7 @@ def test_every_engine_setting_is_classified() -> None:
 
 @pytest.mark.parametrize("name", sorted(HASHED))
 def test_settings_that_change_kv_bytes_change_the_hash(name: str, model_config) -> None:
-    with_quant = ("quantize_lm_head", "quant_encoder")
+    with_quant = ("quantize_lm_head", "quant_encoder", "quant_activations")
     base = EngineConfig(quantization="mxfp4") if name in with_quant else EngineConfig()
     changed = dataclasses.replace(base, **{name: HASHED[name]})
     assert _hash(changed, model_config) != _hash(base, model_config)
@@ -187,25 +190,29 @@ def test_quantised_and_dense_workers_differ_in_one_named_factor(model_config) ->
     assert "'quantization': 'none'" in diff.local and "'quantization': 'mxfp4'" in diff.remote
 
 
-@pytest.mark.parametrize("quantization, head, encoder",
-                         [(None, False, None), ("mxfp4", False, None), ("mxfp4", True, "ocp")])
+@pytest.mark.parametrize("quantization, head, encoder, activations",
+                         [(None, False, None, "float"), ("mxfp4", False, None, "float"),
+                          ("mxfp4", True, "ocp", "float"), ("mxfp4", False, None, "int8")])
 def test_weight_transforms_say_what_the_engine_loaded(ckpt: Path, quantization: str | None,
-                                                      head: bool, encoder: str | None) -> None:
+                                                      head: bool, encoder: str | None,
+                                                      activations: str) -> None:
     """The factor is derived from the configuration; the loaded model is the reference."""
     from shared.engine.engine import LLMEngine
     from shared.model.quant import MXFP4Linear
 
     config = EngineConfig(model=str(ckpt), quantization=quantization, quantize_lm_head=head,
-                          quant_encoder=encoder,
+                          quant_encoder=encoder, quant_activations=activations,
                           kv_cache_memory_bytes=4 << 20, num_threads=1)
     model = LLMEngine.from_config(config).runner.model
     decoder_quantised = any(isinstance(m, MXFP4Linear) for m in model.layers.modules())
     encoders = {m.encoder for m in model.modules() if isinstance(m, MXFP4Linear)}
+    acts = {m.activations for m in model.modules() if isinstance(m, MXFP4Linear)}
     loaded = WeightTransforms(quantization="mxfp4" if decoder_quantised else "none",
                               lm_head="mxfp4" if isinstance(model.lm_head, MXFP4Linear)
                               else "dense",
-                              encoder=str(encoders.pop()) if encoders else "none")
-    assert not encoders
+                              encoder=str(encoders.pop()) if encoders else "none",
+                              activations=str(acts.pop()) if acts else "float")
+    assert not encoders and not acts
     assert weight_transforms(config) == loaded
 
 

@@ -225,7 +225,8 @@ async def test_a_quantised_decode_is_refused_on_the_hash_naming_the_transform(me
     async with aiohttp.ClientSession() as s:
         pre = await metadata(s, mesh.prefill.url)
         dec = await metadata(s, variants["mxfp4_decode"].url)
-        assert pre["compat_factors"]["weight_transforms"] == {"encoder": "none",
+        assert pre["compat_factors"]["weight_transforms"] == {"activations": "float",
+                                                              "encoder": "none",
                                                               "lm_head": "dense",
                                                               "quantization": "none"}
         assert dec["compat_factors"]["weight_transforms"]["quantization"] == "mxfp4"

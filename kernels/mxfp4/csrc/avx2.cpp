@@ -202,7 +202,7 @@ namespace pdmesh_mxfp4 {
 namespace {
 const KernelTable kAvx2Table = {
     quantize_avx2, dequantize_f32_avx2, dequantize_bf16_avx2, linear_f32_avx2, nullptr, nullptr,
-    avx2::kXOrder.at,
+    avx2::kXOrder.at, linear_a8_avx2,
 };
 }  // namespace
 

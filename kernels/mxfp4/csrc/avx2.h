@@ -1,4 +1,5 @@
-// AVX2 helpers shared by avx2.cpp (quantise, dequantise) and avx2_linear.cpp (fused linear).
+// AVX2 helpers shared by avx2.cpp (quantise, dequantise), avx2_linear.cpp and avx2_a8.cpp (the
+// fused linears, fp32 and int8 activations).
 // Include after <immintrin.h> and kernels.h. Everything here has internal linkage (static, or an
 // unnamed namespace) and is compiled for AVX2 through its own target region, like the TUs that
 // include it: see kernels.h for why no AVX2 function may have external (COMDAT) linkage.
@@ -84,6 +85,55 @@ constexpr XOrder make_x_order() {
   return t;
 }
 constexpr XOrder kXOrder = make_x_order();
+
+// The 8 lanes' sum, in one fixed order (the linears' horizontal tree).
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// y[r0 + r, n + c] = sum of acc[c][r]'s lanes (+ bias).
+template <int R, int C>
+inline void store_tile(const LinearArgs& a, int64_t r0, int64_t n, const __m256 (&acc)[C][R]) {
+  float* y = static_cast<float*>(a.y);
+#pragma GCC unroll 16
+  for (int i = 0; i < R * C; ++i) {
+    const int c = i / R, r = i % R;
+    y[a.y_at(r0 + r, n + c)] = hsum(acc[c][r]) + (a.bias ? a.bias[n + c] : 0.0f);
+  }
+}
+
+// The column driver of both fused linears (avx2_linear.cpp: fp32 x; avx2_a8.cpp: int8 x).
+// Tiles::tile<R, C>(a, r0, n) computes y[r0 .. r0 + R, n .. n + C]. Columns go in groups whose
+// packed bytes stay in L1 while every row chunk passes over them: 4-row tiles of one column,
+// then 3, 2 or 1 rows; a lone row takes kSingleRowColumns columns side by side so that their
+// independent FMA chains overlap.
+constexpr int64_t kColumnGroup = 16;
+constexpr int kMaxRows = 4;
+constexpr int kSingleRowColumns = 4;
+
+template <class Tiles, int R, int C>
+void columns(const LinearArgs& a, int64_t r0, int64_t g0, int64_t g1) {
+  int64_t n = g0;
+  for (; n + C <= g1; n += C) Tiles::template tile<R, C>(a, r0, n);
+  for (; n < g1; ++n) Tiles::template tile<R, 1>(a, r0, n);
+}
+
+template <class Tiles>
+void drive_columns(const LinearArgs& a, int64_t n0, int64_t n1) {
+  for (int64_t g0 = n0; g0 < n1; g0 += kColumnGroup) {
+    const int64_t g1 = g0 + kColumnGroup < n1 ? g0 + kColumnGroup : n1;
+    int64_t r = 0;
+    for (; a.m - r >= kMaxRows; r += kMaxRows) columns<Tiles, kMaxRows, 1>(a, r, g0, g1);
+    switch (a.m - r) {
+      case 3: columns<Tiles, 3, 1>(a, r, g0, g1); break;
+      case 2: columns<Tiles, 2, 1>(a, r, g0, g1); break;
+      case 1: columns<Tiles, 1, kSingleRowColumns>(a, r, g0, g1); break;
+      default: break;
+    }
+  }
+}
 
 }  // namespace
 }  // namespace avx2

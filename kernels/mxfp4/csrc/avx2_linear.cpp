@@ -35,19 +35,9 @@ namespace {
 
 using avx2::Decoder;
 
-constexpr int64_t kColumnGroup = 16;  // output columns whose weights are reused by all row chunks
-constexpr int kMaxRows = 4;           // rows per tile
-constexpr int kSingleRowColumns = 4;  // columns per tile when one row is left
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // y[r0 .. r0 + R, n .. n + C] (+ bias).
 template <int R, int C>
-void tile(const LinearArgs& a, int64_t r0, int64_t n) {
+void f32_tile(const LinearArgs& a, int64_t r0, int64_t n) {
   const Decoder dec = Decoder::make();
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   const __m256i nibble_shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
@@ -89,36 +79,18 @@ void tile(const LinearArgs& a, int64_t r0, int64_t n) {
       for (int r = 0; r < R; ++r) acc[c][r] = _mm256_fmadd_ps(dot[r], scale, acc[c][r]);
     }
   }
-  float* y = static_cast<float*>(a.y);
-#pragma GCC unroll 16
-  for (int i = 0; i < R * C; ++i) {
-    const int c = i / R, r = i % R;
-    y[a.y_at(r0 + r, n + c)] = hsum(acc[c][r]) + (a.bias ? a.bias[n + c] : 0.0f);
-  }
+  avx2::store_tile<R, C>(a, r0, n, acc);
 }
 
-// Columns [g0, g1) for rows r0 .. r0 + R: C at a time, then one at a time.
-template <int R, int C>
-void columns(const LinearArgs& a, int64_t r0, int64_t g0, int64_t g1) {
-  int64_t n = g0;
-  for (; n + C <= g1; n += C) tile<R, C>(a, r0, n);
-  for (; n < g1; ++n) tile<R, 1>(a, r0, n);
-}
+struct Tiles {
+  template <int R, int C>
+  static void tile(const LinearArgs& a, int64_t r0, int64_t n) { f32_tile<R, C>(a, r0, n); }
+};
 
 }  // namespace
 
 void linear_f32_avx2(const LinearArgs& a, int64_t n0, int64_t n1) {
-  for (int64_t g0 = n0; g0 < n1; g0 += kColumnGroup) {
-    const int64_t g1 = g0 + kColumnGroup < n1 ? g0 + kColumnGroup : n1;
-    int64_t r = 0;
-    for (; a.m - r >= kMaxRows; r += kMaxRows) columns<kMaxRows, 1>(a, r, g0, g1);
-    switch (a.m - r) {
-      case 3: columns<3, 1>(a, r, g0, g1); break;
-      case 2: columns<2, 1>(a, r, g0, g1); break;
-      case 1: columns<1, kSingleRowColumns>(a, r, g0, g1); break;
-      default: break;
-    }
-  }
+  avx2::drive_columns<Tiles>(a, n0, n1);
 }
 
 }  // namespace pdmesh_mxfp4

@@ -173,14 +173,15 @@ namespace pdmesh_mxfp4 {
 namespace {
 const KernelTable kAvx512Table = {
     quantize_avx512, dequantize_f32_avx512, dequantize_bf16_avx512, linear_f32_avx512, nullptr,
-    nullptr, nullptr,
+    nullptr, nullptr, linear_a8_avx2,
 };
 const KernelTable kAvx512Bf16Table = {
     quantize_avx512, dequantize_f32_avx512, dequantize_bf16_avx512, linear_f32_avx512,
-    linear_bf16_avx512, pair_x_bf16_avx512, nullptr,
+    linear_bf16_avx512, pair_x_bf16_avx512, nullptr, linear_a8_avx2,
 };
 }  // namespace
 
+// Int8 activations run avx2_a8.cpp's kernel on these paths too: every AVX-512 CPU has AVX2.
 // Path 1 never uses vdpbf16ps, even on a CPU that has it (bf16 x is widened to fp32 there).
 const KernelTable* avx512_table() { return cpu_features().avx512 ? &kAvx512Table : nullptr; }
 

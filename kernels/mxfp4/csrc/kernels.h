@@ -54,6 +54,20 @@ static constexpr ScaleTable make_scale_table() {
 }
 static constexpr ScaleTable kScaleTable = make_scale_table();
 
+// fp32 bits of 2^(s-128), half the scale, for the int8-activation kernels, whose weight table holds
+// twice each E2M1 value (integers). s == 0 and 1 are the fp32 subnormals 2^-128 and 2^-127; s ==
+// 255 is a quiet NaN, as in kScaleTable.
+static constexpr inline uint32_t e8m0_half_to_f32_bits(uint32_t s) {
+  if (s == kNanScale) return 0x7FC00000u;
+  return s >= 2 ? (s - 1) << 23 : kMantBit >> (1 - s);
+}
+static constexpr ScaleTable make_half_scale_table() {
+  ScaleTable t{};
+  for (uint32_t s = 0; s < 256; ++s) t.bits[s] = e8m0_half_to_f32_bits(s);
+  return t;
+}
+static constexpr ScaleTable kHalfScaleTable = make_half_scale_table();
+
 // The 16 unscaled E2M1 values as bf16 bit patterns (exact: at most 2 significant bits), in code
 // order and repeated once: vpermw reads 5 index bits, so a code with junk in bit 4 still finds
 // its value. Built by the bit-manipulation converter above.
@@ -81,6 +95,9 @@ struct LinearArgs {
   const float* x;
   const uint16_t* x_bf16; // [m, k] bf16 in natural order (only for linear_bf16)
   const uint16_t* x_pairs;  // [m, pairs(k) * 64] bf16 in pair layout (linear_bf16; see below)
+  // Int8 activations (linear_a8): xq [m, k] in quantize_x_a8's layout, xd [m, k/32] their scales.
+  const int8_t* xq;
+  const float* xd;
   const uint8_t* blocks;  // [n, k/32, 16]
   const uint8_t* scales;  // [n, k/32]
   const float* bias;      // [n] or nullptr
@@ -114,7 +131,18 @@ struct KernelTable {
   // The order linear_f32 reads each 32-block of x in: position i holds element x_order[i].
   // nullptr: 16 even then 16 odd elements (the order of a block's low, then high nibbles).
   const uint8_t* x_order;
+  // W4A8: y = x @ W.T with x quantised by quantize_x_a8 (LinearArgs::xq, xd), fp32 y.
+  void (*linear_a8)(const LinearArgs& a, int64_t n0, int64_t n1);
 };
+
+// Int8 activations, the same bits on every path (kernels/mxfp4/reference.py quantize_x_a8 is the
+// oracle): per 32-block of x, d = amax / 127 and q = round_half_even(x * (1 / d)) in fp32, so
+// |q| <= 127; an all-zero block gets d = 0 and q = 0, a block holding Inf or NaN d = NaN and
+// q = 0 (every output that reads it is NaN, as in the fp32 kernels). q is stored per block as its
+// 16 even then 16 odd elements: the order of the low, then high nibbles of the packed bytes.
+// x fp32 [nblocks * 32] (or bf16) -> q int8 [nblocks * 32], d fp32 [nblocks].
+void quantize_x_a8(const float* x, int64_t nblocks, int8_t* q, float* d);
+void quantize_x_a8_bf16(const uint16_t* x, int64_t nblocks, int8_t* q, float* d);
 
 const KernelTable& scalar_table();
 
@@ -130,8 +158,10 @@ const KernelTable* avx512_table();
 // The AVX-512 table whose bf16-x linear uses vdpbf16ps (path 3), or nullptr without
 // avx512_bf16.
 const KernelTable* avx512_bf16_table();
-// Fused kernel of avx2_linear.cpp; call only through avx2_table().
+// Fused kernels of avx2_linear.cpp and avx2_a8.cpp; call only through avx2_table() (or the
+// AVX-512 tables, whose CPUs run AVX2 code as well).
 void linear_f32_avx2(const LinearArgs& a, int64_t n0, int64_t n1);
+void linear_a8_avx2(const LinearArgs& a, int64_t n0, int64_t n1);
 // Fused kernels of avx512_linear.cpp; call only through avx512_table() / avx512_bf16_table().
 void linear_f32_avx512(const LinearArgs& a, int64_t n0, int64_t n1);
 void linear_bf16_avx512(const LinearArgs& a, int64_t n0, int64_t n1);

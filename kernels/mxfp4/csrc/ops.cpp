@@ -9,7 +9,8 @@
 //   linear(Tensor x, Tensor blocks, Tensor scales, Tensor? bias, int path) -> Tensor
 //   column_kernel(int path) -> int   (address of path's pdmesh_native::Mxfp4Columns)
 // path: 0 scalar, 1 avx512 (no vdpbf16ps), 2 avx2, 3 avx512_bf16; one this CPU cannot run
-// raises. Python (kernels/mxfp4/backend.py) validates dtypes and shapes and makes inputs
+// raises. linear and column_kernel also take a path ORed with kActInt8 (16, native.h): int8
+// activations (W4A8). Python (kernels/mxfp4/backend.py) validates dtypes and shapes and makes inputs
 // contiguous; the checks here only guard memory safety.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,6 +28,7 @@ namespace {
 
 constexpr int64_t kStreamBytes = int64_t{8} << 20;  // non-temporal stores above this output size
 
+using pdmesh_native::kActInt8;
 using pdmesh_native::kPathAvx2;
 using pdmesh_native::kPathAvx512;
 using pdmesh_native::kPathAvx512Bf16;
@@ -201,11 +203,46 @@ void run_columns(void (*kernel)(const LinearArgs&, int64_t, int64_t), const Line
   });
 }
 
+// x [m, k] (fp32 or bf16) -> int8 [m, k] in quantize_x_a8's layout and its scales [m, k/32].
+void quantize_x(const at::Tensor& x, int8_t* q, float* d) {
+  const int64_t nblocks = x.numel() / kBlock;
+  if (x.scalar_type() == at::kBFloat16) {
+    quantize_x_a8_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), nblocks,
+                       q, d);
+  } else {
+    quantize_x_a8(x.data_ptr<float>(), nblocks, q, d);
+  }
+}
+
+// W4A8: x quantised once, then the int8 kernel over all columns; fp32 y, converted to x's dtype.
+at::Tensor linear_a8(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& bias, const KernelTable& t) {
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
+  at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({m, k / kBlock}, x.options().dtype(at::kFloat));
+  quantize_x(x, q.data_ptr<int8_t>(), d.data_ptr<float>());
+  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  LinearArgs args{};
+  args.xq = q.data_ptr<int8_t>();
+  args.xd = d.data_ptr<float>();
+  args.blocks = blocks.data_ptr<uint8_t>();
+  args.scales = scales.data_ptr<uint8_t>();
+  args.bias = bias ? bias->data_ptr<float>() : nullptr;
+  args.y = y.data_ptr();
+  args.m = m;
+  args.k = k;
+  args.n = n;
+  run_columns(t.linear_a8, args);
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
 // y [m, n] = x [m, k] @ W.T (+ bias), in x's dtype. bf16 x runs the bf16 kernel when the path
 // has one (avx512_bf16); otherwise x is widened to fp32 and the fp32 result rounded back.
+// path | kActInt8: x quantised to int8 first (linear_a8).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& scales,
                   const std::optional<at::Tensor>& bias, int64_t path) {
   check_linear(x, blocks, scales, bias);
+  if (path & kActInt8) return linear_a8(x, blocks, scales, bias, table_for(path & ~kActInt8));
   const KernelTable& t = table_for(path);
   const bool bf16_kernel = x.scalar_type() == at::kBFloat16 && t.linear_bf16 != nullptr;
   const int64_t m = x.size(0), n = blocks.size(0);
@@ -235,8 +272,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tenso
 
 // The decode team's column-slice entry points (native.h: Mxfp4Columns) for code path P: the
 // same kernels and x layouts as linear() above, one output slice per call, no parallel region.
+// P | kActInt8: the scratch holds x's int8 scales [m, k/32] fp32, then x itself int8 [m, k].
 template <int64_t P>
 int64_t columns_x_scratch_bytes(int64_t m, int64_t k) {
+  if (P & kActInt8) return m * (k / kBlock) * int64_t{sizeof(float)} + m * k;
   const KernelTable& t = table_for(P);
   if (t.linear_bf16 != nullptr) return m * x_pairs(k) * 2 * kBlock * int64_t{sizeof(uint16_t)};
   return m * k * int64_t{sizeof(float)};
@@ -244,6 +283,11 @@ int64_t columns_x_scratch_bytes(int64_t m, int64_t k) {
 
 template <int64_t P>
 void columns_prepare(const uint16_t* x, int64_t m, int64_t k, void* x_scratch) {
+  if (P & kActInt8) {
+    float* d = static_cast<float*>(x_scratch);
+    quantize_x_a8_bf16(x, m * k / kBlock, reinterpret_cast<int8_t*>(d + m * (k / kBlock)), d);
+    return;
+  }
   const KernelTable& t = table_for(P);
   if (t.linear_bf16 != nullptr) {
     t.pair_x_bf16(x, m, k, static_cast<uint16_t*>(x_scratch));
@@ -257,7 +301,7 @@ template <int64_t P>
 void columns_run(const uint16_t* x, const void* x_scratch, const uint8_t* blocks,
                  const uint8_t* scales, const float* bias, int64_t m, int64_t k, int64_t n,
                  int64_t n0, int64_t n1, uint16_t* y, float* y_scratch) {
-  const KernelTable& t = table_for(P);
+  const KernelTable& t = table_for(P & ~kActInt8);
   LinearArgs a{};
   a.blocks = blocks;
   a.scales = scales;
@@ -265,7 +309,7 @@ void columns_run(const uint16_t* x, const void* x_scratch, const uint8_t* blocks
   a.m = m;
   a.k = k;
   a.n = n;
-  if (t.linear_bf16 != nullptr) {
+  if (!(P & kActInt8) && t.linear_bf16 != nullptr) {
     a.x_bf16 = x;
     a.x_pairs = static_cast<const uint16_t*>(x_scratch);
     a.y = y;
@@ -273,11 +317,17 @@ void columns_run(const uint16_t* x, const void* x_scratch, const uint8_t* blocks
     return;
   }
   // fp32 sums into y_scratch [m, n1 - n0], then one RNE rounding, as linear()'s y.to(bf16).
-  a.x = static_cast<const float*>(x_scratch);
   a.y = y_scratch;
   a.ldy = n1 - n0;
   a.y0 = n0;
-  t.linear_f32(a, n0, n1);
+  if (P & kActInt8) {
+    a.xd = static_cast<const float*>(x_scratch);
+    a.xq = reinterpret_cast<const int8_t*>(a.xd + m * (k / kBlock));
+    t.linear_a8(a, n0, n1);
+  } else {
+    a.x = static_cast<const float*>(x_scratch);
+    t.linear_f32(a, n0, n1);
+  }
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t c = n0; c < n1; ++c) y[r * n + c] = f32_to_bf16_rne(y_scratch[a.y_at(r, c)]);
   }
@@ -290,11 +340,20 @@ constexpr pdmesh_native::Mxfp4Columns kColumns{columns_x_scratch_bytes<P>, colum
 // The address of path's Mxfp4Columns, as an int (a torch op returns no pointers); raises for a
 // path this CPU or this build cannot run, so the functions themselves never do.
 int64_t column_kernel(int64_t path) {
-  table_for(path);
-  const pdmesh_native::Mxfp4Columns* c = path == kPathScalar ? &kColumns<kPathScalar>
-                                         : path == kPathAvx512 ? &kColumns<kPathAvx512>
-                                         : path == kPathAvx2 ? &kColumns<kPathAvx2>
-                                                             : &kColumns<kPathAvx512Bf16>;
+  const int64_t base = path & ~kActInt8;
+  table_for(base);
+  const pdmesh_native::Mxfp4Columns* c;
+  if (path & kActInt8) {
+    c = base == kPathScalar ? &kColumns<kPathScalar | kActInt8>
+        : base == kPathAvx512 ? &kColumns<kPathAvx512 | kActInt8>
+        : base == kPathAvx2 ? &kColumns<kPathAvx2 | kActInt8>
+                            : &kColumns<kPathAvx512Bf16 | kActInt8>;
+  } else {
+    c = base == kPathScalar ? &kColumns<kPathScalar>
+        : base == kPathAvx512 ? &kColumns<kPathAvx512>
+        : base == kPathAvx2 ? &kColumns<kPathAvx2>
+                            : &kColumns<kPathAvx512Bf16>;
+  }
   return static_cast<int64_t>(reinterpret_cast<intptr_t>(c));
 }
 

@@ -128,12 +128,74 @@ void linear_f32_scalar(const LinearArgs& a, int64_t n0, int64_t n1) {
   }
 }
 
+// W4A8 (kernels.h: quantize_x_a8): per (row, column, block) the exact integer dot of q and
+// twice the E2M1 values, times d_x * 2^(s - 128), summed in fp32 in block order.
+void linear_a8_scalar(const LinearArgs& a, int64_t n0, int64_t n1) {
+  constexpr int8_t kTwice[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+  const float* half_scale = reinterpret_cast<const float*>(kHalfScaleTable.bits);
+  const int64_t nb = a.k / kBlock;
+  float* y = static_cast<float*>(a.y);
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t r = 0; r < a.m; ++r) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < nb; ++j) {
+        const uint8_t* bytes = a.blocks + (n * nb + j) * kBlockBytes;
+        const int8_t* q = a.xq + r * a.k + j * kBlock;  // 16 even, then 16 odd elements
+        int32_t dot = 0;
+        for (int64_t i = 0; i < kBlockBytes; ++i) {
+          dot += kTwice[bytes[i] & 15u] * q[i] + kTwice[bytes[i] >> 4] * q[kBlockBytes + i];
+        }
+        sum += static_cast<float>(dot) * (half_scale[a.scales[n * nb + j]] * a.xd[r * nb + j]);
+      }
+      y[a.y_at(r, n)] = sum + (a.bias ? a.bias[n] : 0.0f);
+    }
+  }
+}
+
 const KernelTable kScalarTable = {
     quantize_scalar, dequantize_f32_scalar, dequantize_bf16_scalar, linear_f32_scalar, nullptr,
-    nullptr, nullptr,
+    nullptr, nullptr, linear_a8_scalar,
 };
 
+// kernels.h: quantize_x_a8. fp32 x: 1 / d and the product are single IEEE roundings, and
+// round_half_even(v) for |v| <= 127.5 is (v + 1.5 * 2^23) - 1.5 * 2^23 under the default
+// rounding mode (no libm call on baseline x86-64; no -ffast-math here folds it away).
+template <typename Load>
+void quantize_blocks_a8(int64_t nblocks, int8_t* q, float* d, Load load) {
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+  for (int64_t b = 0; b < nblocks; ++b) {
+    float v[kBlock];
+    uint32_t amax = 0;  // |x| bit patterns order like the values; Inf and NaN above all others
+    for (int64_t i = 0; i < kBlock; ++i) {
+      v[i] = load(b * kBlock + i);
+      const uint32_t mag = f32_to_bits(v[i]) & 0x7FFFFFFFu;
+      amax = mag > amax ? mag : amax;
+    }
+    int8_t* out = q + b * kBlock;
+    if (amax >= 0x7F800000u || amax == 0) {
+      d[b] = amax == 0 ? 0.0f : bits_to_f32(0x7FC00000u);
+      std::memset(out, 0, kBlock);
+      continue;
+    }
+    d[b] = bits_to_f32(amax) / 127.0f;
+    const float inv = 1.0f / d[b];
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const float r = (v[i] * inv + kRound) - kRound;
+      out[(i & 1) * (kBlock / 2) + i / 2] = static_cast<int8_t>(r);
+    }
+  }
+}
+
 }  // namespace
+
+void quantize_x_a8(const float* x, int64_t nblocks, int8_t* q, float* d) {
+  quantize_blocks_a8(nblocks, q, d, [x](int64_t i) { return x[i]; });
+}
+
+void quantize_x_a8_bf16(const uint16_t* x, int64_t nblocks, int8_t* q, float* d) {
+  quantize_blocks_a8(nblocks, q, d,
+                     [x](int64_t i) { return bits_to_f32(static_cast<uint32_t>(x[i]) << 16); });
+}
 
 const KernelTable& scalar_table() { return kScalarTable; }
 
