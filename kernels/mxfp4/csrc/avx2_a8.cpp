@@ -89,10 +89,69 @@ struct Tiles {
   static void tile(const LinearArgs& a, int64_t r0, int64_t n) { a8_tile<R, C>(a, r0, n); }
 };
 
+// kernels.h quantize_x_a8, the scalar loop's bits: 1 / d and x * inv are the same IEEE fp32
+// roundings, and vcvtps2dq rounds half to even under the default MXCSR, as the scalar path's
+// 1.5 * 2^23 trick does for |v| <= 127.5. v[i] holds elements 8i .. 8i + 7 of the block.
+inline void quantize_block_a8(const __m256 (&v)[4], int8_t* q, float* d) {
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  __m256i m = _mm256_and_si256(_mm256_castps_si256(v[0]), abs_mask);
+#pragma GCC unroll 3
+  for (int i = 1; i < 4; ++i) {
+    m = _mm256_max_epu32(m, _mm256_and_si256(_mm256_castps_si256(v[i]), abs_mask));
+  }
+  __m128i m4 = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0x4E));
+  m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0xB1));
+  const uint32_t amax = static_cast<uint32_t>(_mm_cvtsi128_si32(m4));
+  if (amax >= 0x7F800000u || amax == 0) {  // Inf / NaN, or all zero: see kernels.h
+    *d = amax == 0 ? 0.0f : bits_to_f32(0x7FC00000u);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_setzero_si256());
+    return;
+  }
+  *d = bits_to_f32(amax) / 127.0f;
+  const __m256 inv = _mm256_set1_ps(1.0f / *d);
+  __m256i r[4];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  // Per 128-bit lane after the two packs: lane 0 elements 0-3, 8-11, 16-19, 24-27, lane 1 the
+  // others; the dword permute restores 0..31, the byte shuffle puts each lane's even elements
+  // before its odd ones, and the qword permute gathers all evens, then all odds.
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]),
+                                            _mm256_packs_epi32(r[2], r[3]));
+  const __m256i ordered =
+      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m256i split = _mm256_shuffle_epi8(
+      ordered, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permute4x64_epi64(split, 0xD8));  // qwords 0, 2, 1, 3
+}
+
 }  // namespace
 
 void linear_a8_avx2(const LinearArgs& a, int64_t n0, int64_t n1) {
   avx2::drive_columns<Tiles>(a, n0, n1);
+}
+
+void quantize_x_a8_avx2(const float* x, int64_t nblocks, int8_t* q, float* d) {
+  for (int64_t b = 0; b < nblocks; ++b) {
+    __m256 v[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + b * kBlock + 8 * i);
+    quantize_block_a8(v, q + b * kBlock, d + b);
+  }
+}
+
+void quantize_x_a8_bf16_avx2(const uint16_t* x, int64_t nblocks, int8_t* q, float* d) {
+  for (int64_t b = 0; b < nblocks; ++b) {
+    __m256 v[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {  // bf16 -> fp32: the pattern in the top half of each lane
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + b * kBlock + 8 * i));
+      v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    quantize_block_a8(v, q + b * kBlock, d + b);
+  }
 }
 
 }  // namespace pdmesh_mxfp4

@@ -162,6 +162,9 @@ const KernelTable* avx512_bf16_table();
 // AVX-512 tables, whose CPUs run AVX2 code as well).
 void linear_f32_avx2(const LinearArgs& a, int64_t n0, int64_t n1);
 void linear_a8_avx2(const LinearArgs& a, int64_t n0, int64_t n1);
+// quantize_x_a8 and its bf16 twin in AVX2 (avx2_a8.cpp), the same bits.
+void quantize_x_a8_avx2(const float* x, int64_t nblocks, int8_t* q, float* d);
+void quantize_x_a8_bf16_avx2(const uint16_t* x, int64_t nblocks, int8_t* q, float* d);
 // Fused kernels of avx512_linear.cpp; call only through avx512_table() / avx512_bf16_table().
 void linear_f32_avx512(const LinearArgs& a, int64_t n0, int64_t n1);
 void linear_bf16_avx512(const LinearArgs& a, int64_t n0, int64_t n1);

@@ -203,24 +203,40 @@ void run_columns(void (*kernel)(const LinearArgs&, int64_t, int64_t), const Line
   });
 }
 
+// quantize_x_a8 (fp32 or bf16 x) for code path `path`: every path but the scalar one runs on
+// an AVX2 CPU (table_for has checked), so they take the AVX2 loop; the bits are the same.
+struct A8Quantizers {
+  void (*f32)(const float*, int64_t, int8_t*, float*);
+  void (*bf16)(const uint16_t*, int64_t, int8_t*, float*);
+};
+
+A8Quantizers a8_quantizers(int64_t path) {
+#ifndef PDMESH_MXFP4_SCALAR_ONLY
+  if (path != kPathScalar) return {quantize_x_a8_avx2, quantize_x_a8_bf16_avx2};
+#endif
+  (void)path;
+  return {quantize_x_a8, quantize_x_a8_bf16};
+}
+
 // x [m, k] (fp32 or bf16) -> int8 [m, k] in quantize_x_a8's layout and its scales [m, k/32].
-void quantize_x(const at::Tensor& x, int8_t* q, float* d) {
+void quantize_x(const at::Tensor& x, int64_t path, int8_t* q, float* d) {
   const int64_t nblocks = x.numel() / kBlock;
   if (x.scalar_type() == at::kBFloat16) {
-    quantize_x_a8_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), nblocks,
-                       q, d);
+    a8_quantizers(path).bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+                             nblocks, q, d);
   } else {
-    quantize_x_a8(x.data_ptr<float>(), nblocks, q, d);
+    a8_quantizers(path).f32(x.data_ptr<float>(), nblocks, q, d);
   }
 }
 
 // W4A8: x quantised once, then the int8 kernel over all columns; fp32 y, converted to x's dtype.
 at::Tensor linear_a8(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& bias, const KernelTable& t) {
+                     const std::optional<at::Tensor>& bias, int64_t path) {
+  const KernelTable& t = table_for(path);
   const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
   at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({m, k / kBlock}, x.options().dtype(at::kFloat));
-  quantize_x(x, q.data_ptr<int8_t>(), d.data_ptr<float>());
+  quantize_x(x, path, q.data_ptr<int8_t>(), d.data_ptr<float>());
   at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
   LinearArgs args{};
   args.xq = q.data_ptr<int8_t>();
@@ -242,7 +258,7 @@ at::Tensor linear_a8(const at::Tensor& x, const at::Tensor& blocks, const at::Te
 at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& scales,
                   const std::optional<at::Tensor>& bias, int64_t path) {
   check_linear(x, blocks, scales, bias);
-  if (path & kActInt8) return linear_a8(x, blocks, scales, bias, table_for(path & ~kActInt8));
+  if (path & kActInt8) return linear_a8(x, blocks, scales, bias, path & ~kActInt8);
   const KernelTable& t = table_for(path);
   const bool bf16_kernel = x.scalar_type() == at::kBFloat16 && t.linear_bf16 != nullptr;
   const int64_t m = x.size(0), n = blocks.size(0);
@@ -285,7 +301,8 @@ template <int64_t P>
 void columns_prepare(const uint16_t* x, int64_t m, int64_t k, void* x_scratch) {
   if (P & kActInt8) {
     float* d = static_cast<float*>(x_scratch);
-    quantize_x_a8_bf16(x, m * k / kBlock, reinterpret_cast<int8_t*>(d + m * (k / kBlock)), d);
+    a8_quantizers(P & ~kActInt8).bf16(x, m * k / kBlock,
+                                      reinterpret_cast<int8_t*>(d + m * (k / kBlock)), d);
     return;
   }
   const KernelTable& t = table_for(P);
