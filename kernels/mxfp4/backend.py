@@ -39,6 +39,8 @@ class Activations(StrEnum):
     def op_path(self, path_id: int) -> int:
         """The `path` argument of the linear ops for this activation mode."""
         return path_id | ACT_INT8 if self is Activations.INT8 else path_id
+
+
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # dtypes the C++ ops produce directly
 
 
