@@ -170,6 +170,23 @@ def test_sampled_distribution_matches_probs():
         assert abs(counts[tok] / n - expected) < 5 * sd + 1e-3
 
 
+def test_a_masked_token_is_never_drawn():
+    """Tokens at -inf (a grammar's mask, a ban) have probability 0: over 64 rows x 49,152
+    tokens x 20 draws (some noise values land at the extremes of their range) the draw is
+    always one of the two allowed tokens, seeded rows and unseeded alike."""
+    vocab = 49_152
+    logits = torch.full((64, vocab), float("-inf"))
+    logits[:, 7], logits[:, vocab - 1] = 0.0, -30.0  # one likely token, one very unlikely
+    seeded = [request(SamplingParams(temperature=1.0, seed=i), [1]) for i in range(32)]
+    unseeded = [request(SamplingParams(temperature=1.0), [1]) for _ in range(32)]
+    sampler = Sampler(seed=3)
+    drawn = set()
+    for _ in range(20):
+        drawn |= set(sampler(logits, SamplingTensors.from_requests(seeded + unseeded, vocab))
+                     .token_ids)
+    assert drawn <= {7, vocab - 1} and 7 in drawn
+
+
 def test_unseeded_rows_use_the_batch_generator():
     logits = torch.zeros(2, V)
     reqs = [request(SamplingParams(temperature=1.0), [1])] * 2

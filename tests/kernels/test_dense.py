@@ -178,13 +178,15 @@ def test_torch_runs_what_the_kernels_do_not_take(backend: str) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32x", "bf16x"])
 def test_rows_do_not_depend_on_the_batch(dense_kernel: KernelPath, dtype: torch.dtype) -> None:
     """Every tier sums each output in one fixed order: a row alone, or at any place in a batch
-    of up to 32 (every tile shape, streaming and blocked), gets the same bits."""
+    of up to 32 (every tile shape: streaming, blocked and, on AVX2, paired from 12 rows, or 16
+    for a weight slice over 8 MiB as 576 x 16384 is), gets the same bits. K = 333 and 50 end
+    in a tail chunk of even and odd index."""
     path = dense_kernel
-    for in_f, out_f in [(576, 192), (1536, 576), (333, 37)]:
+    for in_f, out_f in [(576, 192), (1536, 576), (333, 37), (50, 24), (576, 16384)]:
         w = _weight(in_f, out_f)
         x, b = _inputs(32, in_f, out_f, dtype, bias=True)
         batch = path.linear(x, w, b)
-        for m in (1, 2, 3, 5, 7, 8, 16, 32):
+        for m in (1, 2, 3, 4, 5, 7, 8, 11, 12, 13, 15, 16, 17, 32):
             assert torch.equal(path.linear(x[:m], w, b), batch[:m])
         for r in (0, 7, 31):
             assert torch.equal(path.linear(x[r:r + 1], w, b), batch[r:r + 1])

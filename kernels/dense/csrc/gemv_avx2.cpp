@@ -15,7 +15,9 @@
 //
 // Four independent chains per output hide the FMA latency at m = 1; 1..3 x rows share each
 // widened weight vector (streaming tiles), or, once x outgrows L1, each x load feeds two weight
-// rows (blocked tiles). A K tail (k % 16 != 0) is copied into a zeroed 16-element buffer, so an
+// rows (blocked tiles). From 12 rows (16 for an LM head's slice) 2 x 2 tiles run the two
+// chain sets one after the other (paired tiles), the same FMAs in the same order with half the
+// accumulators live, so that each widened weight feeds two rows and each x load two columns. A K tail (k % 16 != 0) is copied into a zeroed 16-element buffer, so an
 // Inf or NaN past a row cannot leak in; x is zero-padded to kpad by reorder_x_avx2.
 // Only the code between the target pragmas is compiled for AVX2, so the library still loads on
 // any x86-64 CPU; ops.cpp checks path_unavailable() before calling in.
@@ -96,6 +98,18 @@ inline void store_one(const GemvArgs& a, int64_t r, int64_t n, float sum) {
   }
 }
 
+// Reduces and stores an R x C tile's per-output vectors sum[r * C + c] = (E0 + O0) + (E1 + O1).
+template <int R, int C>
+inline void finish(const GemvArgs& a, int64_t r0, int64_t n, const __m256 (&sum)[R * C]) {
+  int i = 0;
+  for (; i + 4 <= R * C; i += 4) {
+    alignas(16) float s[4];
+    _mm_store_ps(s, reduce4(sum[i], sum[i + 1], sum[i + 2], sum[i + 3]));
+    for (int j = 0; j < 4; ++j) store_one(a, r0 + (i + j) / C, n + (i + j) % C, s[j]);
+  }
+  for (; i < R * C; ++i) store_one(a, r0 + i / C, n + i % C, reduce1(sum[i]));
+}
+
 // y[r0 : r0 + R, n : n + C] over the whole K.
 template <int R, int C>
 void tile(const GemvArgs& a, int64_t r0, int64_t n) {
@@ -119,13 +133,57 @@ void tile(const GemvArgs& a, int64_t r0, int64_t n) {
     sum[i] = _mm256_add_ps(_mm256_add_ps(acc.v[0][0][r][c], acc.v[0][1][r][c]),
                            _mm256_add_ps(acc.v[1][0][r][c], acc.v[1][1][r][c]));
   }
-  int i = 0;
-  for (; i + 4 <= R * C; i += 4) {
-    alignas(16) float s[4];
-    _mm_store_ps(s, reduce4(sum[i], sum[i + 1], sum[i + 2], sum[i + 3]));
-    for (int j = 0; j < 4; ++j) store_one(a, r0 + (i + j) / C, n + (i + j) % C, s[j]);
+  finish<R, C>(a, r0, n, sum);
+}
+
+// One chain set of an R x C tile: chunks u, u + 2, ... (and the K tail when its index is ≡ u),
+// in increasing order, exactly the FMAs `tile` does into chains [u][0] (e) and [u][1] (o).
+// x comes as FMA memory operands, so R x C outputs need 2RC accumulators and 2C widened weights.
+template <int R, int C>
+inline void chain_pass(const GemvArgs& a, int64_t r0, int64_t n, int u, __m256 (&e)[R][C],
+                       __m256 (&o)[R][C]) {
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+#pragma GCC unroll 16
+  for (int i = 0; i < R * C; ++i) e[i / C][i % C] = o[i / C][i % C] = _mm256_setzero_ps();
+  const int64_t chunks = a.k / kChunk2, full = chunks * kChunk2;
+  auto chunk = [&](int64_t k, bool tail, int64_t left) {
+    __m256 we[C], wo[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m256i w = load_w(a.w + (n + c) * a.ldw + k, tail, left);
+      we[c] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+      wo[c] = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const float* x = a.x + (r0 + r) * a.kpad + k;
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        e[r][c] = _mm256_fmadd_ps(we[c], _mm256_loadu_ps(x), e[r][c]);
+        o[r][c] = _mm256_fmadd_ps(wo[c], _mm256_loadu_ps(x + 8), o[r][c]);
+      }
+    }
+  };
+  for (int64_t k = u * kChunk2; k < full; k += 2 * kChunk2) chunk(k, false, 0);
+  if (full < a.k && chunks % 2 == u) chunk(full, true, a.k - full);
+}
+
+// y[r0 : r0 + R, n : n + C] as `tile` computes it, bit for bit, in two passes over K (chain set
+// 0, then 1), so that only half the accumulators are live: R = C = 2 fits 16 registers where
+// `tile` fits 3 outputs. Each pass reads every other 32 bytes of the tile's weight rows, which
+// stay in L1 in between; more outputs per widened weight and per x load is what pays at m >= 12.
+template <int R, int C>
+void tile_two_pass(const GemvArgs& a, int64_t r0, int64_t n) {
+  __m256 e[R][C], o[R][C], sum[R * C];
+  chain_pass<R, C>(a, r0, n, 0, e, o);
+#pragma GCC unroll 16
+  for (int i = 0; i < R * C; ++i) sum[i] = _mm256_add_ps(e[i / C][i % C], o[i / C][i % C]);
+  chain_pass<R, C>(a, r0, n, 1, e, o);
+#pragma GCC unroll 16
+  for (int i = 0; i < R * C; ++i) {
+    sum[i] = _mm256_add_ps(sum[i], _mm256_add_ps(e[i / C][i % C], o[i / C][i % C]));
   }
-  for (; i < R * C; ++i) store_one(a, r0 + i / C, n + i % C, reduce1(sum[i]));
+  finish<R, C>(a, r0, n, sum);
 }
 
 using TileFn = void (*)(const GemvArgs&, int64_t, int64_t);
@@ -148,6 +206,21 @@ constexpr RowKernel kStreaming[3] = {
 constexpr RowKernel kBlocked[1] = {
     {1, 2, tile<1, 2>, tile<1, 1>},
 };
+
+// Paired (from kPairedMinRows rows): 2 x 2 two-pass tiles, then a last odd row as 1 x 2.
+constexpr RowKernel kPaired[2] = {
+    {2, 2, tile_two_pass<2, 2>, tile_two_pass<2, 1>},
+    {1, 2, tile_two_pass<1, 2>, tile_two_pass<1, 1>},
+};
+// Paired tiles pay once the FMAs, not the weight stream, bound the call: decode streams every
+// layer's weights from DRAM, and below 12 rows the streaming and blocked tiles keep more of its
+// bandwidth. A slice over kDramSliceBytes (an LM head: 56 MB for SmolLM2) waits for 16 rows.
+// `benchmarks/dense.py --threads 2` (weights cycled past L3), AMD Zen 3, bf16 x, paired over the
+// old tiles: SmolLM2's layer shapes 0.6-0.9x at 4 rows, 0.8-1.2x at 8, 1.0-1.33x at 12, 1.05-1.6x
+// at 16 and 24; the 49152-column head 0.76x at 12 rows, 1.5-2x at 16 and 24.
+constexpr int64_t kPairedMinRows = 12;
+constexpr int64_t kPairedMinRowsFromDram = 16;
+constexpr int64_t kDramSliceBytes = int64_t{8} << 20;
 
 // x bytes (as the kernel reads it) above which the blocked tiles are used; L1d is 32 KiB.
 constexpr int64_t kStreamingMaxXBytes = int64_t{20} << 10;
@@ -205,7 +278,10 @@ void reorder_x_avx2(const float* xf, const uint16_t* xb, int64_t m, int64_t k, i
 
 void gemv_fma_avx2(const GemvArgs& a, int64_t n0, int64_t n1) {
   const int64_t x_bytes = a.m * a.kpad * 4;
-  if (a.m >= 2 && x_bytes > kStreamingMaxXBytes) {
+  const bool from_dram = (n1 - n0) * a.ldw * 2 > kDramSliceBytes;
+  if (a.m >= (from_dram ? kPairedMinRowsFromDram : kPairedMinRows)) {
+    run_table(a, n0, n1, kPaired, 8);
+  } else if (a.m >= 2 && x_bytes > kStreamingMaxXBytes) {
     run_table(a, n0, n1, kBlocked, 8);
   } else {  // one column at a time, in two streams (dense.h)
     for (int64_t i = 0; i < n1 - n0; ++i) {
