@@ -216,8 +216,8 @@ constexpr RowKernel kPaired[2] = {
 // layer's weights from DRAM, and below 12 rows the streaming and blocked tiles keep more of its
 // bandwidth. A slice over kDramSliceBytes (an LM head: 56 MB for SmolLM2) waits for 16 rows.
 // `benchmarks/dense.py --threads 2` (weights cycled past L3), AMD Zen 3, bf16 x, paired over the
-// old tiles: SmolLM2's layer shapes 0.6-0.9x at 4 rows, 0.8-1.2x at 8, 1.0-1.33x at 12, 1.05-1.6x
-// at 16 and 24; the 49152-column head 0.76x at 12 rows, 1.5-2x at 16 and 24.
+// old tiles: SmolLM2's layer shapes 0.62-1.2x at 4 rows, 0.85-1.23x at 8, 0.99-1.33x at 12,
+// 1.04-1.58x at 16 and 24; the 49152-column head 0.76x at 12 rows, 1.46-1.97x at 16 and 24.
 constexpr int64_t kPairedMinRows = 12;
 constexpr int64_t kPairedMinRowsFromDram = 16;
 constexpr int64_t kDramSliceBytes = int64_t{8} << 20;
