@@ -17,8 +17,9 @@
 // widened weight vector (streaming tiles), or, once x outgrows L1, each x load feeds two weight
 // rows (blocked tiles). From 12 rows (16 for an LM head's slice) 2 x 2 tiles run the two
 // chain sets one after the other (paired tiles), the same FMAs in the same order with half the
-// accumulators live, so that each widened weight feeds two rows and each x load two columns. A K tail (k % 16 != 0) is copied into a zeroed 16-element buffer, so an
-// Inf or NaN past a row cannot leak in; x is zero-padded to kpad by reorder_x_avx2.
+// accumulators live, so that each widened weight feeds two rows and each x load two columns.
+// A K tail (k % 16 != 0) is copied into a zeroed 16-element buffer, so an Inf or NaN past a row
+// cannot leak in; x is zero-padded to kpad by reorder_x_avx2.
 // Only the code between the target pragmas is compiled for AVX2, so the library still loads on
 // any x86-64 CPU; ops.cpp checks path_unavailable() before calling in.
 #include <immintrin.h>
@@ -59,10 +60,11 @@ struct Acc {
   __m256 v[2][2][R][C];
 };
 
-// Chunk k (16 elements) of weight rows n..n+C-1 against R rows of x, into chain set u.
+// Chunk k (16 elements) of weight rows n..n+C-1 against R rows of x, into one chain set: its
+// even-element chains e and odd-element chains o.
 template <int R, int C>
 inline void step(const GemvArgs& a, int64_t r0, int64_t n, int64_t k, bool tail, int64_t left,
-                 int u, Acc<R, C>& acc) {
+                 __m256 (&e)[R][C], __m256 (&o)[R][C]) {
   const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 we[C], wo[C];
 #pragma GCC unroll 4
@@ -77,8 +79,8 @@ inline void step(const GemvArgs& a, int64_t r0, int64_t n, int64_t k, bool tail,
     const __m256 xo = _mm256_loadu_ps(a.x + (r0 + r) * a.kpad + k + 8);
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
-      acc.v[u][0][r][c] = _mm256_fmadd_ps(we[c], xe, acc.v[u][0][r][c]);
-      acc.v[u][1][r][c] = _mm256_fmadd_ps(wo[c], xo, acc.v[u][1][r][c]);
+      e[r][c] = _mm256_fmadd_ps(we[c], xe, e[r][c]);
+      o[r][c] = _mm256_fmadd_ps(wo[c], xo, o[r][c]);
     }
   }
 }
@@ -121,11 +123,14 @@ void tile(const GemvArgs& a, int64_t r0, int64_t n) {
   const int64_t chunks = a.k / kChunk2, full = chunks * kChunk2;
   int64_t k = 0;
   for (; k + 2 * kChunk2 <= full; k += 2 * kChunk2) {
-    step<R, C>(a, r0, n, k, false, 0, 0, acc);
-    step<R, C>(a, r0, n, k + kChunk2, false, 0, 1, acc);
+    step<R, C>(a, r0, n, k, false, 0, acc.v[0][0], acc.v[0][1]);
+    step<R, C>(a, r0, n, k + kChunk2, false, 0, acc.v[1][0], acc.v[1][1]);
   }
-  if (k < full) step<R, C>(a, r0, n, k, false, 0, 0, acc);  // chunk chunks - 1, even
-  if (full < a.k) step<R, C>(a, r0, n, full, true, a.k - full, static_cast<int>(chunks % 2), acc);
+  if (k < full) step<R, C>(a, r0, n, k, false, 0, acc.v[0][0], acc.v[0][1]);  // chunks - 1, even
+  if (full < a.k) {
+    auto& last = acc.v[chunks % 2];
+    step<R, C>(a, r0, n, full, true, a.k - full, last[0], last[1]);
+  }
   __m256 sum[R * C];
 #pragma GCC unroll 16
   for (int i = 0; i < R * C; ++i) {
@@ -138,34 +143,16 @@ void tile(const GemvArgs& a, int64_t r0, int64_t n) {
 
 // One chain set of an R x C tile: chunks u, u + 2, ... (and the K tail when its index is ≡ u),
 // in increasing order, exactly the FMAs `tile` does into chains [u][0] (e) and [u][1] (o).
-// x comes as FMA memory operands, so R x C outputs need 2RC accumulators and 2C widened weights.
 template <int R, int C>
 inline void chain_pass(const GemvArgs& a, int64_t r0, int64_t n, int u, __m256 (&e)[R][C],
                        __m256 (&o)[R][C]) {
-  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
 #pragma GCC unroll 16
   for (int i = 0; i < R * C; ++i) e[i / C][i % C] = o[i / C][i % C] = _mm256_setzero_ps();
   const int64_t chunks = a.k / kChunk2, full = chunks * kChunk2;
-  auto chunk = [&](int64_t k, bool tail, int64_t left) {
-    __m256 we[C], wo[C];
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) {
-      const __m256i w = load_w(a.w + (n + c) * a.ldw + k, tail, left);
-      we[c] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-      wo[c] = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const float* x = a.x + (r0 + r) * a.kpad + k;
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) {
-        e[r][c] = _mm256_fmadd_ps(we[c], _mm256_loadu_ps(x), e[r][c]);
-        o[r][c] = _mm256_fmadd_ps(wo[c], _mm256_loadu_ps(x + 8), o[r][c]);
-      }
-    }
-  };
-  for (int64_t k = u * kChunk2; k < full; k += 2 * kChunk2) chunk(k, false, 0);
-  if (full < a.k && chunks % 2 == u) chunk(full, true, a.k - full);
+  for (int64_t k = u * kChunk2; k < full; k += 2 * kChunk2) {
+    step<R, C>(a, r0, n, k, false, 0, e, o);
+  }
+  if (full < a.k && chunks % 2 == u) step<R, C>(a, r0, n, full, true, a.k - full, e, o);
 }
 
 // y[r0 : r0 + R, n : n + C] as `tile` computes it, bit for bit, in two passes over K (chain set
