@@ -18,6 +18,7 @@ machine of one CPU kind runs (and tests) the code paths of the kinds it is not.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from enum import IntEnum
 
 
@@ -50,7 +51,7 @@ TIER_CHOICES = ("auto", *(t.label for t in sorted(Tier, reverse=True)))
 
 _lock = threading.Lock()
 _max_tier = Tier.AVX512_BF16
-_listeners: list = []  # callables run after the cap changes (each library drops its lookups)
+_listeners: list[Callable[[], None]] = []  # callables run after the cap changes (each library drops its lookups)
 
 
 def max_tier() -> Tier:
@@ -76,7 +77,7 @@ def set_max_tier(tier: Tier | str | None) -> Tier:
     return new
 
 
-def on_cap_change(fn) -> None:  # noqa: ANN001 - a zero-argument callable
+def on_cap_change(fn: Callable[[], None]) -> None:
     """Register fn() to run after every set_max_tier (libraries clear their resolved paths)."""
     with _lock:
         _listeners.append(fn)

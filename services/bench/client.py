@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import aiohttp
 
@@ -197,7 +197,7 @@ class OpenAIClient:
                 return
             self._on_chunk(ts, obj, st)
 
-    def _on_chunk(self, ts: float, obj: dict, st: _Stream) -> None:
+    def _on_chunk(self, ts: float, obj: dict[str, Any], st: _Stream) -> None:
         text = _chunk_text(obj, self._chat)
         if text:
             if st.first is None:
@@ -217,7 +217,7 @@ class OpenAIClient:
             st.info.update(obj["pdmesh"])
 
 
-def _chunk_text(obj: dict, chat: bool) -> str | None:
+def _chunk_text(obj: dict[str, Any], chat: bool) -> str | None:
     """The generated text of choice 0 in one chunk (chat: content or reasoning_content)."""
     choices = obj.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):

@@ -93,11 +93,11 @@ class LoadRunner:
         return LoadOutcome(records, wall, self._stop.is_set(), len(prompts) - len(records), cpu)
 
     async def _dispatch(self, prompts: list[Prompt], offsets: np.ndarray, start: float,
-                        records: list[RequestRecord], bar: tqdm) -> set[asyncio.Task]:
-        pending: set[asyncio.Task] = set()
+                        records: list[RequestRecord], bar: tqdm) -> set[asyncio.Task[RequestRecord | None]]:
+        pending: set[asyncio.Task[RequestRecord | None]] = set()
         failed = 0
 
-        def done(task: asyncio.Task) -> None:
+        def done(task: asyncio.Task[RequestRecord | None]) -> None:
             nonlocal failed
             pending.discard(task)
             record = None if task.cancelled() else task.result()
@@ -121,7 +121,7 @@ class LoadRunner:
             task.add_done_callback(done)
         return pending
 
-    async def _drain(self, pending: set[asyncio.Task]) -> None:
+    async def _drain(self, pending: set[asyncio.Task[RequestRecord | None]]) -> None:
         """Wait for the requests in flight, or cancel them all at the first SIGINT."""
         stop = asyncio.create_task(self._stop.wait())
         try:

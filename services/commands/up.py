@@ -10,7 +10,10 @@ import socket
 import sys
 from collections.abc import MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.router.supervisor import ChildSpec
 
 HELP = ("Start a router and N prefill + N decode workers on loopback, restarting any that "
         "exits; Ctrl-C stops them all.")
@@ -175,7 +178,7 @@ def preflight(flags: list[str]) -> str | None:
     return None
 
 
-def plan(args: argparse.Namespace, cpu_count: int) -> tuple[list, str]:
+def plan(args: argparse.Namespace, cpu_count: int) -> tuple[list[ChildSpec], str]:
     """The child specs (router first) and the router URL. Without --serve-cmd the P/D worker
     flags are checked first; a build whose workers cannot take them yet gets mixed workers."""
     from services.router.supervisor import ChildSpec
@@ -269,7 +272,7 @@ def core_share_file() -> Path:
     return folder / f"pdmesh-cores-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-async def _up(specs: list, url: str, args: argparse.Namespace, policy: Any,
+async def _up(specs: list[ChildSpec], url: str, args: argparse.Namespace, policy: Any,
               ssl_context: Any = None) -> int:
     import asyncio
     import signal

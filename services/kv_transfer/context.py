@@ -57,7 +57,7 @@ class KVContext:
     peer_client: PeerClient | None = None
     # Staging buffers reused across transfers (gather slots, receive staging): event loop only.
     buffers: BufferPool = field(default_factory=BufferPool)
-    _tasks: set[asyncio.Task] = field(default_factory=set)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     @property
     def peers(self) -> PeerClient:
@@ -65,7 +65,7 @@ class KVContext:
             raise RuntimeError("the KV service is not started")
         return self.peer_client
 
-    def detach(self, coro: Coroutine[Any, Any, Any], what: str) -> asyncio.Task:
+    def detach(self, coro: Coroutine[Any, Any, Any], what: str) -> asyncio.Task[None]:
         """Run `coro` in the background; failures are logged, `drain` awaits it."""
         task = asyncio.ensure_future(_logged(coro, what))
         self._tasks.add(task)

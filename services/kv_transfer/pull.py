@@ -367,7 +367,7 @@ class HeartbeatSender:
         self.interval_s = interval_s
         # (peer address, peer engine id) -> lease ref -> how many trackers
         self._tracked: defaultdict[tuple[str, str], dict[LeaseRef, int]] = defaultdict(dict)
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def track(self, peer: tuple[str, str], ref: LeaseRef) -> None:
         refs = self._tracked[peer]

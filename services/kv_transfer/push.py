@@ -108,7 +108,7 @@ class PushPrefill:
         stream.task.add_done_callback(lambda t: self._closed(transfer_id, stream, t))
         return stream
 
-    def _closed(self, transfer_id: str, stream: PushStream, task: asyncio.Task) -> None:
+    def _closed(self, transfer_id: str, stream: PushStream, task: asyncio.Task[int]) -> None:
         if self.streams.get(transfer_id) is stream:
             del self.streams[transfer_id]
         if not task.cancelled() and task.exception() is not None:  # retrieved: finish re-raises

@@ -82,7 +82,7 @@ class KVTransferService:
         self.transfer = transfer_cls(self.ctx)
         self.metrics.bind(lambda: self.transfer.held_blocks, self.transfer.oldest_age)
         self._http: aiohttp.ClientSession | None = None
-        self._reaper: asyncio.Task | None = None
+        self._reaper: asyncio.Task[None] | None = None
 
     @property
     def identity(self) -> KVIdentity:

@@ -31,7 +31,7 @@ def decode_parses(prefill: dict[str, Any]) -> bool:
     return prefill.get(OUTPUT_PARSED_FIELD) is True
 
 
-def early_chunks(kind: ApiKind, prefill: dict[str, Any], include_usage: bool) -> list[dict]:
+def early_chunks(kind: ApiKind, prefill: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
     """Stream chunks carrying the prefill's first token (role chunk first for chat); none when
     the output is parsed (`decode_parses`)."""
     if decode_parses(prefill):
@@ -42,7 +42,7 @@ def early_chunks(kind: ApiKind, prefill: dict[str, Any], include_usage: bool) ->
         base["system_fingerprint"] = prefill["system_fingerprint"]
     if include_usage:
         base["usage"] = None
-    chunks: list[dict] = []
+    chunks: list[dict[str, Any]] = []
     for choice in prefill.get("choices") or []:
         out: dict[str, Any] = {"index": choice.get("index", 0), "logprobs": choice.get("logprobs"),
                                "finish_reason": None}

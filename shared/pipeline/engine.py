@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -150,7 +151,7 @@ class PipelineEngine(LLMEngine):
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    **kwargs) -> Request:
+                    **kwargs: Any) -> Request:
         req = super().add_request(request_id, prompt_token_ids, params, **kwargs)
         self._idle_turns = 0
         return req
