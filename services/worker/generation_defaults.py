@@ -16,8 +16,6 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from shared.model.loader import read_generation_config
-
 log = logging.getLogger(__name__)
 
 # generation_config.json key -> request field (vLLM's `get_diff_sampling_param`).
@@ -43,6 +41,11 @@ def model_defaults(mode: GenerationConfigMode, model_dir: Path | None) -> dict[s
     operator sees why an unset temperature is not 1."""
     if mode is GenerationConfigMode.VLLM or model_dir is None:
         return {}
+    # Imported here, not at the top: services.worker.config imports this module, and every
+    # `pdmesh` command builds serve's parser from that config, so a top-level import would
+    # load torch (through the loader) into the router and `up`'s supervisor (~190 MB each).
+    from shared.model.loader import read_generation_config
+
     defaults = sampling_defaults(read_generation_config(model_dir))
     if defaults:
         log.warning("default sampling parameters come from the model's generation_config.json: "
