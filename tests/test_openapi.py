@@ -70,7 +70,8 @@ async def secured_router() -> AsyncIterator[TestClient]:
 
 
 def _concrete(path: str) -> str:
-    return path.replace("{job_id}", "nope").replace("{worker_id}", "nope")
+    return path.replace("{job_id}", "nope").replace("{worker_id}", "nope").replace(
+        "{model}", "nope")
 
 
 async def _check_credentials(client: TestClient, operations: tuple[Operation, ...]) -> None:

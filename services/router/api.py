@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from typing import Any
+from urllib.parse import quote
 
 from aiohttp import web
 
@@ -111,6 +112,12 @@ async def list_models(request: web.Request) -> web.Response:
     return await _proxy(request, "/v1/models", None)
 
 
+async def retrieve_model(request: web.Request) -> web.Response:
+    # The worker answers: it knows its served names; its 404 comes back as it is.
+    return await _proxy(request, "/v1/models/" + quote(request.match_info["model"], safe="/"),
+                        None)
+
+
 async def tokenize(request: web.Request) -> web.Response:
     return await _proxy(request, "/tokenize", await read_json_object(request))
 
@@ -124,6 +131,7 @@ def routes() -> list[web.AbstractRouteDef]:
         web.post("/v1/completions", completions),
         web.post("/v1/chat/completions", chat_completions),
         web.get("/v1/models", list_models),
+        web.get("/v1/models/{model:.+}", retrieve_model),
         web.post("/tokenize", tokenize),
         web.post("/detokenize", detokenize),
     ]

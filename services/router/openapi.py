@@ -34,6 +34,8 @@ OPERATIONS = (
     Operation("POST", "/v1/chat/completions", "Chat completion (OpenAI), routed", request=CHAT,
               answer=COMPLETION_ANSWER, streams=True),
     Operation("GET", "/v1/models", "Served model names", answer=obj("object", "data")),
+    Operation("GET", "/v1/models/{model}", "One served model (404 model_not_found otherwise)",
+              answer=obj("id", "object", "created", "owned_by")),
     Operation("POST", "/tokenize", "Prompt or chat to token ids (vLLM)", request=TOKENIZE,
               answer=obj("count", "max_model_len", "tokens")),
     Operation("POST", "/detokenize", "Token ids to text (vLLM)", request=DETOKENIZE,

@@ -33,6 +33,8 @@ OPERATIONS = (
     Operation("POST", "/v1/kv_transfer/abort", "Release a prefill's KV lease (P/D, internal)",
               request=KV_TRANSFER_ABORT, answer=obj("released")),
     Operation("GET", "/v1/models", "Served model names", answer=obj("object", "data")),
+    Operation("GET", "/v1/models/{model}", "One served model (404 model_not_found otherwise)",
+              answer=obj("id", "object", "created", "owned_by")),
     Operation("GET", "/v1/metadata", "Model, engine, KV-cache and role facts",
               answer=obj("model")),
     Operation("POST", "/tokenize", "Prompt or chat to token ids (vLLM)", request=TOKENIZE,

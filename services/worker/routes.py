@@ -67,16 +67,24 @@ async def kv_transfer_abort(request: web.Request) -> web.Response:
     return json_response({"released": pd_legs.abort_offer(body.get("kv_transfer_params"))})
 
 
-async def list_models(request: web.Request) -> web.Response:
+def _model_card(request: web.Request, name: str) -> dict[str, Any]:
+    """One served name as OpenAI's model object, with vLLM's extra fields."""
     service = _service(request)
-    config = service.config
-    created = request.app[STARTED_AT_KEY]
-    data: list[dict[str, Any]] = [
-        {"id": name, "object": "model", "created": created, "owned_by": "pdmesh",
-         "root": config.engine.model, "parent": None,
-         "max_model_len": service.engine.max_model_len, "permission": []}
-        for name in config.model_names]
-    return json_response({"object": "list", "data": data})
+    return {"id": name, "object": "model", "created": request.app[STARTED_AT_KEY],
+            "owned_by": "pdmesh", "root": service.config.engine.model, "parent": None,
+            "max_model_len": service.engine.max_model_len, "permission": []}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    names = _service(request).config.model_names
+    return json_response({"object": "list", "data": [_model_card(request, n) for n in names]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """OpenAI's GET /v1/models/{model} (the SDK's `models.retrieve`): the card of one served
+    name (which may hold slashes, as `org/name` does), or 404 model_not_found."""
+    name = _service(request).resolve_model(request.match_info["model"])
+    return json_response(_model_card(request, name))
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -178,6 +186,7 @@ def routes(runtime: WorkerRuntime) -> list[web.AbstractRouteDef]:
         web.post("/v1/chat/completions", chat_completions),
         web.post("/v1/kv_transfer/abort", kv_transfer_abort),
         web.get("/v1/models", list_models),
+        web.get("/v1/models/{model:.+}", retrieve_model),
         web.get("/v1/metadata", metadata),
         web.post("/tokenize", tokenize),
         web.post("/detokenize", detokenize),

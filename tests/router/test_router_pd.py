@@ -115,6 +115,11 @@ async def test_models_tokenize_detokenize_are_proxied(make_mesh):
     assert resp.status == 200 and doc["prompt"] == "1 2"
     resp = await mesh.client.get("/v1/models")
     assert (await resp.json())["data"][0]["id"] == "fake-model"
+    resp = await mesh.client.get("/v1/models/fake-model")
+    assert resp.status == 200 and (await resp.json())["id"] == "fake-model"
+    resp = await mesh.client.get("/v1/models/no-such-model")  # the worker's 404, as it is
+    doc = await resp.json()
+    assert resp.status == 404 and doc["error"]["code"] == "model_not_found"
 
 
 async def test_stream_options_without_stream_is_rejected_before_any_leg(make_mesh):

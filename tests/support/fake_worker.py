@@ -103,7 +103,8 @@ class FakeWorker:
         app = web.Application()
         app.add_routes([
             web.post("/v1/completions", self._generate), web.post("/v1/chat/completions", self._generate),
-            web.get("/v1/models", self._models), web.get("/v1/metadata", self._metadata),
+            web.get("/v1/models", self._models), web.get("/v1/models/{model:.+}", self._model),
+            web.get("/v1/metadata", self._metadata),
             web.post("/tokenize", self._tokenize), web.post("/detokenize", self._detokenize),
             web.get("/health", self._health),
             web.post("/v1/kv_transfer/abort", self._lease_abort)])
@@ -149,6 +150,14 @@ class FakeWorker:
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
             {"id": self.model, "object": "model", "created": 0, "owned_by": "fake"}]})
+
+    async def _model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.model:
+            return web.json_response({"error": {
+                "message": f"The model '{name}' does not exist", "type": "invalid_request_error",
+                "param": "model", "code": "model_not_found"}}, status=404)
+        return web.json_response({"id": name, "object": "model", "created": 0, "owned_by": "fake"})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()

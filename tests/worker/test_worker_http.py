@@ -193,6 +193,24 @@ async def test_models_tokenize_detokenize(client: TestClient, fake_engine: FakeE
     assert detok == {"prompt": "hi"}
 
 
+async def test_one_model_by_name_including_org_slash_names(fake_engine: FakeEngine) -> None:
+    """GET /v1/models/{model} gives the list's card for every served name (an `org/name` one
+    too: the path keeps its slash) and the OpenAI 404 envelope for any other."""
+    client = await start_client(worker_config(served_model_names=(MODEL, "org/name")), fake_engine)
+    try:
+        listed = (await (await client.get("/v1/models")).json())["data"]
+        for card in listed:
+            resp = await client.get(f"/v1/models/{card['id']}")
+            assert resp.status == 200 and await resp.json() == card
+        for unknown in ("nope", "org", "org/name/extra", MODEL + "x"):
+            resp = await client.get(f"/v1/models/{unknown}")
+            error = (await resp.json())["error"]
+            assert resp.status == 404 and (error["code"], error["param"]) == ("model_not_found",
+                                                                             "model")
+    finally:
+        await client.close()
+
+
 async def test_request_id_echoed_or_generated(client: TestClient) -> None:
     resp = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1},
                              headers={"X-Request-Id": "abc-123"})

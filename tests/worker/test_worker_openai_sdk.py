@@ -23,6 +23,10 @@ def test_models_and_completions(threaded_fake: Threaded) -> None:
     client = sync_client(server)
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL) == models.data[0]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.code == "model_not_found"
     comp = client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
     assert comp.choices[0].text == fake_completion_text([BOS, *b"hi"], 4)
     assert comp.usage.completion_tokens == 4
