@@ -105,6 +105,7 @@ COMMON = table(
     Field("logit_bias", Kind.JSON, schema={"type": "object", "maxProperties": 0},
           doc="Not supported: only an empty object is accepted."),
     Field("return_token_ids", Kind.BOOLEAN, False),
+    Field("user", Kind.STRING, doc="OpenAI's end-user id; accepted, not used."),
     Field("kv_transfer_params", Kind.JSON, schema={"type": "object"},
           doc="The P/D contract between the router and the workers (internal)."),
 ) + STRUCTURED

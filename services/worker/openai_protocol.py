@@ -118,6 +118,7 @@ def parse_sampling(f: Fields) -> SamplingFields:
 def parse_common(f: Fields, tool_spec: StructuredOutputSpec | None = None) -> CommonFields:
     """The shared fields; `tool_spec` is the constraint of a chat request's tool_choice."""
     model = f.read(COMMON["model"])
+    f.read(COMMON["user"])  # accepted (type-checked), not used
     stream = f.read(COMMON["stream"])
     options = f.read(COMMON["stream_options"])
     if options is not None and not stream:

@@ -63,6 +63,8 @@ async def test_malformed_and_non_object_bodies(client: TestClient) -> None:
     (COMP, {"prompt": "x", "suffix": "y"}, "suffix"),
     (COMP, {"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
     (COMP, {"prompt": "x", "model": 5}, "model"),
+    (COMP, {"prompt": "x", "user": 5}, "user"),
+    (CHAT, {"messages": MSG, "user": ["u"]}, "user"),
     (COMP, {}, "prompt"),
     (COMP, {"prompt": []}, "prompt"),
     (COMP, {"prompt": [[]]}, "prompt"),
