@@ -126,6 +126,9 @@ CHAT = table(
     Field("tool_choice", Kind.JSON, schema={"anyOf": [
         {"type": "string", "enum": list(TOOL_CHOICES)}, _FUNCTION_REF]},
           doc="Only with tools; auto by default."),
+    Field("parallel_tool_calls", Kind.BOOLEAN, True,
+          doc="false: at most one tool call (tool_choice required: the grammar allows one; "
+              "auto: calls after the first are dropped, as vLLM does)."),
     Field("max_tokens", Kind.INTEGER, None, lo=1, hi=INT64_MAX, doc="Deprecated name."),
     Field("max_completion_tokens", Kind.INTEGER, None, lo=1, hi=INT64_MAX,
           doc="Up to the context length if omitted."),

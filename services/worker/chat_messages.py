@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.openai_fields import ROLES, TOOL_CHOICES
+from services.common.openai_fields import CHAT, ROLES, TOOL_CHOICES
 from services.worker.fields import Fields, invalid, type_name
 
 
@@ -21,6 +21,7 @@ class ChatTools:
 
     tools: tuple[dict[str, Any], ...] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel: bool = True  # parallel_tool_calls: false allows at most one call
 
     @property
     def for_template(self) -> list[dict[str, Any]] | None:
@@ -123,6 +124,7 @@ def _parse_tool_choice(value: Any, names: set[str]) -> str | dict[str, Any]:
 
 
 def parse_tools(f: Fields) -> ChatTools:
+    parallel = f.read(CHAT["parallel_tool_calls"])  # meaningless without tools, not refused
     tools_value, choice_value = f.data.get("tools"), f.data.get("tool_choice")
     if tools_value is None:
         if choice_value is not None:
@@ -133,4 +135,4 @@ def parse_tools(f: Fields) -> ChatTools:
     tools = tuple(_parse_tool(i, t) for i, t in enumerate(tools_value))
     names = {t["function"]["name"] for t in tools}
     choice = "auto" if choice_value is None else _parse_tool_choice(choice_value, names)
-    return ChatTools(tools=tools, tool_choice=choice)
+    return ChatTools(tools=tools, tool_choice=choice, parallel=parallel)

@@ -61,6 +61,7 @@ class ChatOutputPlan:
     tool_parser: type[ToolParser] | None = None
     reasoning: ReasoningParserFactory | None = None
     constrained: str | dict[str, Any] | None = None
+    parallel_calls: bool = True  # false: calls after the first are dropped (tool_choice auto)
 
     @property
     def active(self) -> bool:
@@ -118,4 +119,5 @@ def plan_chat_output(parsers: ParsersConfig, tools: ChatTools, prompt: str) -> C
     reasoning = (get_reasoning_parser(parsers.reasoning_parser)
                  if parsers.reasoning_parser else None)
     return ChatOutputPlan(prompt=prompt, tools=tools.tools or (), tool_parser=tool_parser,
-                          reasoning=reasoning, constrained=constrained)
+                          reasoning=reasoning, constrained=constrained,
+                          parallel_calls=tools.parallel)

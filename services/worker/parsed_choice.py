@@ -58,6 +58,10 @@ class ParsedChoice:
             # offered none, or forced one by grammar: not calls of this request.
             log.warning("dropped %d tool call(s) the request did not ask for", len(calls))
             calls = ()
+        elif not self.plan.parallel_calls:
+            # parallel_tool_calls false: the first call only (vLLM's rule). A call is whole in
+            # one delta, so a stream never shows a part of a dropped one.
+            calls = tuple(c for c in calls if c.index == 0)
         content = delta.content
         if self.plan.constrained is not None and content:
             self._held.append(content)

@@ -3,7 +3,8 @@
     named     {"type": "function", "function": {"name": X}}: the output is one JSON object
               valid against X's `parameters` (the call's arguments).
     required  a JSON array, at least one item, of {"name": N, "parameters": <N's schema>};
-              one anyOf branch per tool, so the parameters always match the chosen name.
+              one anyOf branch per tool, so the parameters always match the chosen name;
+              exactly one item with parallel_tool_calls false.
 "auto" and "none" constrain nothing ("none" also keeps the tools out of the prompt:
 ChatTools.for_template). Tool schemas may refer to their own "$defs" ("#/$defs/x"); nested in
 the array schema such references would point at its root, so the $defs are hoisted there (a
@@ -46,8 +47,9 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return dict(params) if params else dict(EMPTY_PARAMETERS)
 
 
-def required_schema(tools: tuple[dict[str, Any], ...]) -> dict[str, Any]:
-    """The JSON schema of tool_choice "required" over `tools` (a ValueError on $defs clash)."""
+def required_schema(tools: tuple[dict[str, Any], ...], parallel: bool = True) -> dict[str, Any]:
+    """The JSON schema of tool_choice "required" over `tools` (a ValueError on $defs clash);
+    not `parallel` (parallel_tool_calls false): exactly one call."""
     defs: dict[str, Any] = {}
     branches = []
     for tool in tools:
@@ -60,6 +62,8 @@ def required_schema(tools: tuple[dict[str, Any], ...]) -> dict[str, Any]:
             "parameters": params}, "required": ["name", "parameters"],
             "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
+    if not parallel:
+        schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
     return schema
@@ -75,7 +79,8 @@ def tool_choice_spec(tools: ChatTools) -> StructuredOutputSpec | None:
             name = _named(choice)
             tool = next(t for t in tools.tools if t["function"]["name"] == name)
             return StructuredOutputSpec.json_schema(_parameters(tool), "tool_choice")
-        return StructuredOutputSpec.json_schema(required_schema(tools.tools), "tool_choice")
+        return StructuredOutputSpec.json_schema(required_schema(tools.tools, tools.parallel),
+                                                "tool_choice")
     except (ValueError, InvalidStructuredOutput) as exc:
         raise BadRequestError(f"Invalid value for 'tools': {exc}", param="tools") from None
 

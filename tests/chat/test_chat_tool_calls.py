@@ -102,6 +102,31 @@ def test_stream_assembles_to_the_non_streamed_answer(agent: FakeServer) -> None:
     assert whole.usage is not None and usage.completion_tokens == whole.usage.completion_tokens
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_keeps_the_first_call_only(agent: FakeServer,
+                                                             stream: bool) -> None:
+    """vLLM's rule for tool_choice auto: the calls after the first are dropped (the model wrote
+    two here), streamed or not; the content and the finish reason stay."""
+    agent.say(SCRIPT)
+    kwargs: Any = {"model": MODEL, "messages": MSGS, "tools": TOOLS,
+                   "parallel_tool_calls": False}
+    client = agent.client()
+    if stream:
+        with client.chat.completions.stream(**kwargs) as s:
+            chunks = [event.chunk for event in s if event.type == "chunk"]
+            choice = s.get_final_completion().choices[0]
+        streamed = [c for ch in chunks if ch.choices for c in ch.choices[0].delta.tool_calls or []]
+        assert [c.index for c in streamed] == [0]
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+    assert calls_of(choice.message) == [("get_weather", WEATHER)]
+    assert choice.message.content == "Let me check."
+    assert choice.finish_reason == "tool_calls"
+    both = client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS,
+                                          parallel_tool_calls=True).choices[0]
+    assert len(calls_of(both.message)) == 2
+
+
 def test_a_call_cut_by_max_tokens_is_not_a_call(agent: FakeServer) -> None:
     agent.say(SCRIPT)
     cut = len(SCRIPT.encode()) - 20  # inside the second call's arguments

@@ -164,6 +164,25 @@ def test_required_schema_accepts_exactly_calls_matching_their_tool() -> None:
             jsonschema.validate(value, schema)
 
 
+def test_required_with_parallel_tool_calls_false_allows_exactly_one_call() -> None:
+    one = parse_tools(Fields({"tools": [WEATHER, TIME], "tool_choice": "required",
+                              "parallel_tool_calls": False}))
+    spec = tool_choice_spec(one)
+    assert spec is not None
+    schema = json.loads(spec.value)
+    call = {"name": "get_time", "parameters": {"zone": "UTC"}}
+    jsonschema.validate([call], schema)
+    for value in ([], [call, call]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(value, schema)
+    default = tool_choice_spec(tools("required", WEATHER, TIME))
+    assert default is not None
+    jsonschema.validate([call, call], json.loads(default.value))  # true: the count stays open
+    with pytest.raises(BadRequestError) as err:
+        parse_tools(Fields({"tools": [WEATHER], "parallel_tool_calls": "no"}))
+    assert err.value.param == "parallel_tool_calls"
+
+
 def test_clashing_defs_are_a_400() -> None:
     other = json.loads(json.dumps(TIME))
     other["function"]["name"] = "get_date"
