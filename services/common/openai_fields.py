@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.common.schema import INT64_MAX, INT64_MIN, Field, FieldTable, Kind, table
+from shared.engine.sampling_params import LOGIT_BIAS_LIMIT
 from shared.protocol.pd import RESUME_FIELD
 
 MAX_CHOICES = 128  # n x number of prompts, per request
@@ -102,8 +103,12 @@ COMMON = table(
     Field("stream", Kind.BOOLEAN, False, doc="Server-sent events, ended by [DONE]."),
     Field("stream_options", Kind.OBJECT, members=STREAM_OPTIONS,
           doc="Only with stream: true."),
-    Field("logit_bias", Kind.JSON, schema={"type": "object", "maxProperties": 0},
-          doc="Not supported: only an empty object is accepted."),
+    Field("logit_bias", Kind.JSON, schema={
+        "type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+        "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_LIMIT,
+                                 "maximum": LOGIT_BIAS_LIMIT}},
+          doc="Token id (as a string) -> a bias in [-100, 100] added to its logit before "
+              "penalties and sampling (-100 in effect bans the token, 100 forces it)."),
     Field("return_token_ids", Kind.BOOLEAN, False),
     Field("user", Kind.STRING, doc="OpenAI's end-user id; accepted, not used."),
     Field("kv_transfer_params", Kind.JSON, schema={"type": "object"},

@@ -24,7 +24,7 @@ from services.common.openai_fields import (
     STREAM_OPTIONS,
 )
 from services.worker.chat_messages import ChatTools, parse_messages, parse_tools
-from services.worker.fields import Fields, invalid
+from services.worker.fields import Fields, invalid, type_name
 from services.worker.structured_output import one_constraint, parse_structured
 from services.worker.tool_constraints import tool_choice_spec
 from shared.engine.sampling_params import InvalidSamplingParams, SamplingParams
@@ -56,6 +56,7 @@ class SamplingFields:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutputSpec | None = None  # response_format, guided_*, tool_choice...
+    logit_bias: tuple[tuple[int, float], ...] = ()
     resumed_token_ids: tuple[int, ...] = ()  # RESUME_FIELD: a migrated request's earlier output
 
     def to_params(self, max_tokens: int, logprobs: int | None, renames: dict[str, str]) -> SamplingParams:
@@ -126,20 +127,36 @@ def parse_common(f: Fields, tool_spec: StructuredOutputSpec | None = None) -> Co
     include_usage = options.read(STREAM_OPTIONS["include_usage"]) if options else False
     if options is not None:
         options.read(STREAM_OPTIONS["continuous_usage_stats"])  # accepted, not implemented
-    logit_bias = f.obj(COMMON["logit_bias"].name)
-    if logit_bias is not None and logit_bias.data:
-        raise invalid("logit_bias", "logit_bias is not supported")
     structured = one_constraint(parse_structured(f), tool_spec)
     sampling = parse_sampling(f)
     if sampling.resumed_token_ids and sampling.n > 1:
         raise invalid(RESUME_FIELD, "resumes one choice only (n=1)")
     return CommonFields(
         model=model,
-        sampling=dataclasses.replace(sampling, structured=structured),
+        sampling=dataclasses.replace(sampling, structured=structured,
+                                     logit_bias=parse_logit_bias(f)),
         stream=stream,
         include_usage=include_usage,
         return_token_ids=f.read(COMMON["return_token_ids"]),
     )
+
+
+def parse_logit_bias(f: Fields) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"<token id>": bias} as (id, bias) pairs, ids ascending; the ids' range against
+    the vocabulary and the biases' against [-100, 100] are checked with the other sampling
+    parameters (PromptBuilder.sampling_params, SamplingParams)."""
+    field = f.obj(COMMON["logit_bias"].name)
+    if field is None:
+        return ()
+    pairs = []
+    for key, value in field.data.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise invalid("logit_bias", f"keys must be token ids written as decimal strings, "
+                          f"got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise invalid("logit_bias", f"values must be numbers, got {type_name(value)}")
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
 
 
 def parse_prompts(value: Any) -> tuple[Prompt, ...]:

@@ -111,6 +111,7 @@ class PromptBuilder:
     def sampling_params(self, sampling: SamplingFields, max_tokens: int, logprobs: int | None,
                         renames: dict[str, str]) -> SamplingParams:
         self.check_token_ids(sampling.stop_token_ids, "stop_token_ids")
+        self.check_token_ids([t for t, _ in sampling.logit_bias], "logit_bias")
         if sampling.top_k >= self.vocab_size:
             sampling = dataclasses.replace(sampling, top_k=0)  # same distribution, no huge top-k
         return sampling.to_params(max_tokens, logprobs, renames)

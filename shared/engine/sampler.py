@@ -2,7 +2,7 @@
 
 Order of operations on fp32 logits [B, V]:
     raw logprobs (for `logprobs`; vLLM's default "raw_logprobs": the model's distribution
-    before penalties, bans and temperature) -> penalties (repetition over prompt+output,
+    before biases, penalties, bans and temperature) -> logit_bias (added) -> penalties (repetition over prompt+output,
     presence/frequency over output) -> min_tokens ban of EOS/stop ids -> grammar mask (rows
     with an active structured-output grammar keep only the tokens it allows; such rows get no
     min_tokens ban: the grammar says when the output may end) -> greedy rows: argmax;
@@ -71,15 +71,17 @@ class SamplingTensors:
     seeded: list[tuple[int, int]]  # (row, mix_seed(seed, position))
     penalties: PenaltyTensors | None
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) set to -inf
+    bias: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None  # ((rows, ids), added)
     num_logprobs: list[int | None]
     grammar: GrammarMask | None = None  # rows with an active structured-output grammar
 
     @property
     def plain_greedy(self) -> bool:
-        """Every row's token is the plain argmax of its logits: greedy, with no penalty, ban,
-        grammar mask or logprobs (so a screened LM head may pick it without the logits)."""
+        """Every row's token is the plain argmax of its logits: greedy, with no bias, penalty,
+        ban, grammar mask or logprobs (so a screened LM head may pick it without the logits)."""
         return (self.all_greedy and self.penalties is None and self.banned is None
-                and self.grammar is None and all(n is None for n in self.num_logprobs))
+                and self.bias is None and self.grammar is None
+                and all(n is None for n in self.num_logprobs))
 
     @staticmethod
     def from_requests(requests: list[Request], vocab_size: int,
@@ -107,6 +109,8 @@ class SamplingTensors:
                 ids = [t for t in stops if 0 <= t < vocab_size]
                 ban_rows += [i] * len(ids)
                 ban_ids += ids
+        biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias
+                  if t < vocab_size]
         return SamplingTensors(
             greedy=torch.tensor(greedy),
             all_greedy=all(greedy),
@@ -117,9 +121,16 @@ class SamplingTensors:
             seeded=seeded,
             penalties=_penalty_tensors(requests, vocab_size),
             banned=(torch.tensor(ban_rows), torch.tensor(ban_ids)) if ban_rows else None,
+            bias=_bias_tensors(biased) if biased else None,
             num_logprobs=[p.logprobs for p in params],
             grammar=GrammarMask.fill(constrained) if constrained else None,
         )
+
+
+def _bias_tensors(biased: list[tuple[int, int, float]]
+                  ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    rows, ids, values = zip(*biased, strict=True)
+    return (torch.tensor(rows), torch.tensor(ids)), torch.tensor(values, dtype=torch.float32)
 
 
 def _pad(seqs: list[list[int]], pad: int) -> torch.Tensor:
@@ -202,6 +213,8 @@ class Sampler:
         """logits: [B, V] fp32, one row per sampling request."""
         want_lp = any(n is not None for n in st.num_logprobs)
         raw = logits.log_softmax(-1) if want_lp else None
+        if st.bias is not None:  # a (row, id) pair appears once: SamplingParams checks it
+            logits = logits.index_put(st.bias[0], st.bias[1], accumulate=True)
         if st.penalties is not None:
             logits = apply_penalties(logits, st.penalties)
         if st.banned is not None:

@@ -8,6 +8,8 @@ from typing import Any
 
 from shared.engine.structured_spec import StructuredOutputSpec
 
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value
+
 
 class InvalidSamplingParams(ValueError):
     """A sampling parameter is out of range; `param` names the offending field."""
@@ -48,6 +50,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutputSpec | None = None
+    # (token id, bias) pairs added to the logits before penalties (OpenAI's logit_bias).
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Output ids this sequence already produced elsewhere (a migrated request: the router
     # re-dispatches it after its decode failed). The caller appends them to the prompt; the
     # detokenizer and stop strings start from them, so the new text is exactly what follows
@@ -63,6 +67,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "resumed_token_ids",
                            tuple(int(t) for t in self.resumed_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         checks = [
@@ -79,6 +85,11 @@ class SamplingParams:
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              "must be <= max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (all(t >= 0 and -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT
+                 for t, b in self.logit_bias), "logit_bias",
+             f"must map token ids >= 0 to biases in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"),
+            (len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias",
+             "must name each token once"),
         ]
         if self.structured is not None and not isinstance(self.structured, StructuredOutputSpec):
             raise InvalidSamplingParams("structured must be a StructuredOutputSpec", "structured")

@@ -86,3 +86,20 @@ def test_chunked_prefill_with_prefix_hits_and_preemption_together(make_engine, p
     assert [outs[i].token_ids for i in range(8)] == prefixed_reference * 2
     assert engine.stats().num_preemptions > 0
     assert_all_blocks_free(engine)
+
+
+def test_logit_bias_matches_hf_sequence_bias(make_engine, hf_model, reference):
+    """logit_bias against HF's own SequenceBiasLogitsProcessor: each prompt bans its first
+    unbiased token (-100) and favours two others (+4, +2.5), in one batch with an unbiased
+    request that must keep its tokens."""
+    biases = [{ref[0]: -100.0, (ref[0] + 7) % 256: 4.0, (ref[1] + 3) % 256: 2.5}
+              for ref in reference[:4]]
+    expected = [hf_greedy(hf_model, PROMPTS[i], NEW, bias) for i, bias in enumerate(biases)]
+    params = [SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logit_bias=b)
+              for b in biases] + [GREEDY]
+    engine = make_engine()
+    outs = run_engine(engine, [*PROMPTS[:4], PROMPTS[5]], params)
+    assert [outs[i].token_ids for i in range(4)] == expected
+    assert all(outs[i].token_ids[0] != reference[i][0] for i in range(4))
+    assert outs[4].token_ids == reference[5]
+    assert_all_blocks_free(engine)

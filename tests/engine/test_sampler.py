@@ -19,7 +19,7 @@ from shared.engine.sampler import (
     apply_top_p,
     argmax_rows,
 )
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling_params import InvalidSamplingParams, SamplingParams
 
 V = 50
 NEG = float("-inf")
@@ -209,3 +209,38 @@ def test_logprobs_are_raw_model_logprobs_with_top_n():
     top_v, top_i = raw.topk(3)
     assert list(lp.top) == top_i.tolist()
     assert list(lp.top.values()) == pytest.approx(top_v.tolist())
+
+
+def test_logit_bias_is_added_before_penalties_and_sampling():
+    """Each row's bias is added to its own logits (other rows untouched), before the
+    repetition penalty; -100 bans a token and +100 forces one even when sampling."""
+    torch.manual_seed(1)
+    logits = torch.randn(4, V) * 2
+    top = int(logits[0].argmax())
+    p_ban = SamplingParams(temperature=0.0, logit_bias={top: -100.0, 7: 0.5})
+    p_pen = SamplingParams(temperature=0.0, repetition_penalty=1.5, logit_bias={4: 1.5})
+    p_force = SamplingParams(temperature=1.0, seed=3, logit_bias={11: 100.0})
+    plain = SamplingParams(temperature=0.0)
+    reqs = [request(p_ban, [1]), request(p_pen, [4, 9], [4]), request(p_force, [1]),
+            request(plain, [1])]
+    st = SamplingTensors.from_requests(reqs, V)
+    assert not st.plain_greedy
+    out = Sampler()(logits, st)
+    ban = logits[0].clone()
+    ban[top] -= 100.0
+    ban[7] += 0.5
+    pen = logits[1].clone()
+    pen[4] += 1.5
+    pen = oracle_penalties(pen, p_pen, [4, 9], [4])
+    assert out.token_ids == [int(ban.argmax()), int(pen.argmax()), 11, int(logits[3].argmax())]
+    assert out.token_ids[0] != top
+    alone = SamplingTensors.from_requests([request(plain, [1])], V)
+    assert alone.bias is None and alone.plain_greedy
+
+
+def test_logit_bias_is_checked_by_sampling_params():
+    for bias in ({1: 100.5}, {1: -101.0}, {-1: 1.0}, ((1, 1.0), (1, 2.0))):
+        with pytest.raises(InvalidSamplingParams) as err:
+            SamplingParams(logit_bias=bias)
+        assert err.value.param == "logit_bias"
+    assert SamplingParams(logit_bias={5: 2}).logit_bias == ((5, 2.0),)

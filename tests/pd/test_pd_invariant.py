@@ -140,3 +140,24 @@ async def test_one_token_completion_is_just_the_prefills_token(mesh: Mesh) -> No
             assert got.status == 200 and got.token_ids == ref.token_ids
             assert got.body["choices"][0]["finish_reason"] == "length"
         await settle_to_zero(s, *legs(mesh, "pull"), *legs(mesh, "push"))
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+async def test_logit_bias_applies_on_both_legs(mesh: Mesh, mode: str) -> None:
+    """The prefill samples the first token and the decode the rest: both apply logit_bias, so
+    P/D still gives the mixed output, and the bias really moved it (it bans the unbiased first
+    and second tokens)."""
+    body = {"model": MODEL, "prompt": prompt(40, salt=3), "max_tokens": 10, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    async with aiohttp.ClientSession() as s:
+        plain = await post(s, mesh.mixed.url + COMPLETIONS, body)
+        banned = {str(t): -100 for t in plain.token_ids[:2]}
+        biased = {**body, "logit_bias": banned}
+        ref = await post(s, mesh.mixed.url + COMPLETIONS, biased)
+        assert ref.status == 200, ref.body
+        assert not set(ref.token_ids) & set(plain.token_ids[:2])
+        got = await dispatch(s, mesh, mode, COMPLETIONS, biased)
+        assert got.status == 200, got.body
+        assert got.token_ids == ref.token_ids
+        assert got.prefill["choices"][0]["token_ids"] == ref.token_ids[:1]
+        await settle_to_zero(s, *legs(mesh, mode))

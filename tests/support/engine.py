@@ -57,16 +57,20 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
     assert stats.num_running == stats.num_waiting == stats.num_held_blocks == 0
 
 
-def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """HF transformers `generate`, greedy, EOS disabled (our requests use ignore_eos).
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int,
+              logit_bias: dict[int, float] | None = None) -> list[int]:
+    """HF transformers `generate`, greedy, EOS disabled (our requests use ignore_eos);
+    `logit_bias` goes through HF's own `sequence_bias` (one-token sequences).
 
     Runs on one thread: steadier than two on a 2-core machine shared with other work."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    bias = {(t,): b for t, b in logit_bias.items()} if logit_bias else None
     try:
         with torch.inference_mode():
             out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+                                    do_sample=False, eos_token_id=None, pad_token_id=0,
+                                    sequence_bias=bias)
     finally:
         torch.set_num_threads(threads)
     return out[0, len(prompt):].tolist()

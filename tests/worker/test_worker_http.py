@@ -95,6 +95,17 @@ async def test_stop_strings_and_params_mapping(client: TestClient, fake_engine: 
     assert body["choices"][0]["text"] == seeded["choices"][0]["text"][:4]
 
 
+async def test_logit_bias_reaches_the_engine_as_pairs(client: TestClient,
+                                                      fake_engine: FakeEngine) -> None:
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        await post(client, path, {**body, "max_tokens": 2,
+                                  "logit_bias": {"104": 2.5, "7": -100, "257": 100}})
+        assert fake_engine.seen_params[-1].logit_bias == ((7, -100.0), (104, 2.5), (257, 100.0))
+    await post(client, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": {}})
+    assert fake_engine.seen_params[-1].logit_bias == ()
+
+
 async def test_eos_finishes_with_stop(fake_engine: FakeEngine, client: TestClient) -> None:
     fake_engine.eos_at = 2
     body = await post(client, "/v1/completions", {"prompt": "hi", "max_tokens": 8})
