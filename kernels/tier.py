@@ -51,7 +51,8 @@ TIER_CHOICES = ("auto", *(t.label for t in sorted(Tier, reverse=True)))
 
 _lock = threading.Lock()
 _max_tier = Tier.AVX512_BF16
-_listeners: list[Callable[[], None]] = []  # callables run after the cap changes (each library drops its lookups)
+# Callables run after the cap changes (each library drops its resolved lookups).
+_listeners: list[Callable[[], None]] = []
 
 
 def max_tier() -> Tier:

@@ -29,6 +29,9 @@ from services.bench.client import OpenAIClient, RequestRecord, RequestStatus
 from services.bench.config import BenchConfig
 from services.bench.datasets import Prompt
 
+_Task = asyncio.Task[RequestRecord | None]  # one request in flight: its record, None if unsent
+_Pending = set[_Task]
+
 
 @dataclass(frozen=True)
 class LoadOutcome:
@@ -93,11 +96,11 @@ class LoadRunner:
         return LoadOutcome(records, wall, self._stop.is_set(), len(prompts) - len(records), cpu)
 
     async def _dispatch(self, prompts: list[Prompt], offsets: np.ndarray, start: float,
-                        records: list[RequestRecord], bar: tqdm) -> set[asyncio.Task[RequestRecord | None]]:
-        pending: set[asyncio.Task[RequestRecord | None]] = set()
+                        records: list[RequestRecord], bar: tqdm) -> _Pending:
+        pending: _Pending = set()
         failed = 0
 
-        def done(task: asyncio.Task[RequestRecord | None]) -> None:
+        def done(task: _Task) -> None:
             nonlocal failed
             pending.discard(task)
             record = None if task.cancelled() else task.result()
@@ -121,7 +124,7 @@ class LoadRunner:
             task.add_done_callback(done)
         return pending
 
-    async def _drain(self, pending: set[asyncio.Task[RequestRecord | None]]) -> None:
+    async def _drain(self, pending: _Pending) -> None:
         """Wait for the requests in flight, or cancel them all at the first SIGINT."""
         stop = asyncio.create_task(self._stop.wait())
         try:

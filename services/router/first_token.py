@@ -31,7 +31,8 @@ def decode_parses(prefill: dict[str, Any]) -> bool:
     return prefill.get(OUTPUT_PARSED_FIELD) is True
 
 
-def early_chunks(kind: ApiKind, prefill: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+def early_chunks(kind: ApiKind, prefill: dict[str, Any],
+                 include_usage: bool) -> list[dict[str, Any]]:
     """Stream chunks carrying the prefill's first token (role chunk first for chat); none when
     the output is parsed (`decode_parses`)."""
     if decode_parses(prefill):
