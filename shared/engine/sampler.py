@@ -1,12 +1,12 @@
 """Token sampling, vectorised over the batch (vLLM semantics).
 
 Order of operations on fp32 logits [B, V]:
-    raw logprobs (for `logprobs`; vLLM's default "raw_logprobs": the model's distribution
-    before biases, penalties, bans and temperature) -> logit_bias (added) -> penalties
-    (repetition over prompt+output, presence/frequency over output) -> min_tokens ban of EOS/stop ids -> grammar mask (rows
-    with an active structured-output grammar keep only the tokens it allows; such rows get no
-    min_tokens ban: the grammar says when the output may end) -> greedy rows: argmax;
-    random rows: / temperature -> min_p -> top_k -> top_p -> softmax -> Gumbel-max draw.
+    raw logprobs (for `logprobs`; vLLM's default "raw_logprobs": the model's distribution before
+    biases, penalties, bans and temperature) -> logit_bias (added) -> penalties (repetition over
+    prompt+output, presence/frequency over output) -> min_tokens ban of EOS/stop ids -> grammar
+    mask (rows with an active structured-output grammar keep only the tokens it allows; such
+    rows get no min_tokens ban: the grammar says when the output may end) -> greedy rows:
+    argmax; random rows: / temperature -> min_p -> top_k -> top_p -> softmax -> Gumbel-max draw.
 
 A draw is `argmax(probs / q)` with q ~ Exp(1) i.i.d. over the vocabulary (equivalent to
 sampling from probs). For a seeded request q comes from a generator seeded with

@@ -19,7 +19,8 @@ HEAVY = ("torch", "numpy", "transformers", "safetensors", "gguf")
 
 def heavy_modules_after(code: str) -> list[str]:
     """The HEAVY modules a fresh interpreter holds after running `code`."""
-    probe = f"{code}\nimport json, sys\nprint(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    probe = (f"{code}\nimport json, sys\n"
+             f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, check=True).stdout
     return list(json.loads(out.strip().splitlines()[-1]))

@@ -20,8 +20,8 @@ async def post(client: TestClient, path: str, body: dict) -> dict:
 
 
 async def test_completion_basic(client: TestClient) -> None:
-    resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 5,
-                                                      "user": "end-user-7"})  # accepted, unused
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 5, "user": "end-user-7"}  # user: unused
+    resp = await client.post("/v1/completions", json=body)
     assert resp.status == 200, await resp.text()
     body = await resp.json()
     assert body["object"] == "text_completion"
