@@ -17,6 +17,7 @@ from aiohttp import web
 from services.common.errors import ApiError, BadRequestError, ServiceUnavailableError
 from services.common.json_body import json_response, read_json_object
 from services.common.middleware import REQUEST_ID_KEY
+from services.common.openai_fields import STREAM_OPTIONS
 from services.router.orchestrator import ClientRequest
 from services.router.phases import Phases
 from services.router.state import STATE_KEY, RouterState
@@ -30,11 +31,18 @@ def _validate(body: dict[str, Any]) -> None:
     if not isinstance(stream, bool):
         raise BadRequestError("'stream' must be a boolean", param="stream")
     options = body.get("stream_options")
-    if options is not None and not stream:
+    if options is None:
+        return
+    if not stream:
         raise BadRequestError("'stream_options' is only allowed when 'stream' is true",
                               param="stream_options")
-    if options is not None and not isinstance(options, dict):
+    if not isinstance(options, dict):
         raise BadRequestError("'stream_options' must be an object", param="stream_options")
+    for field in STREAM_OPTIONS:  # booleans: the router's own early chunks follow them too
+        value = options.get(field.name)
+        if value is not None and not isinstance(value, bool):
+            raise BadRequestError(f"'stream_options.{field.name}' must be a boolean",
+                                  param=f"stream_options.{field.name}")
 
 
 async def _generate(request: web.Request, kind: ApiKind, path: str) -> web.StreamResponse:

@@ -3,7 +3,9 @@
 `ClientStream` prepares the response lazily, on the first event: until then nothing has reached
 the client and a failed attempt may still be retried (`started` is what the retry loop asks).
 `relay` copies a worker's `data:` events through, byte for byte on the hot path; it parses an
-event only while the first token is still being cut out, or to patch the usage chunk.
+event only while the first token is still being cut out, or to patch the usage chunk (the last
+one, without choices: the chunks' continuous usage, `stream_options.continuous_usage_stats`,
+is the worker's counts and goes through as it is).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from services.router.upstream import DONE, UpstreamFailure, sse_data
 from shared.protocol.pd import PHASES_HEADER
 
 _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+_SOME_CHOICE = re.compile(rb'"choices"\s*:\s*\[\s*\{')  # a chunk with choices, not the usage one
 _ERROR_EVENT = re.compile(rb'^\{\s*"error"\s*:')
 
 UsagePatch = Callable[[dict[str, Any]], dict[str, Any]]
@@ -116,13 +119,14 @@ async def relay(resp: aiohttp.ClientResponse, worker_id: str, out: ClientStream,
         if rename is not None:
             data = data.replace(rename[0], rename[1], 1)
         active = skipper is not None and not skipper.done
-        if not active and tracker is None and not _USAGE_OBJECT.search(data):
+        totals = _USAGE_OBJECT.search(data) is not None and not _SOME_CHOICE.search(data)
+        if not active and tracker is None and not totals:
             await out.send_raw(data)
             continue
         parsed = _parse(worker_id, data)
         # `active` implies a skipper; the None test restates it for the type checker.
         chunk = skipper.apply(parsed) if active and skipper is not None else parsed
-        if chunk is not None and isinstance(chunk.get("usage"), dict):
+        if chunk is not None and totals and isinstance(chunk.get("usage"), dict):
             chunk["usage"] = patch_usage(chunk["usage"])
         if chunk is not None and tracker is not None:
             chunk = tracker.outgoing(chunk)

@@ -10,6 +10,13 @@ calls or reasoning out of it) gets no early chunks: the decode's parser may hold
 token back or turn it into reasoning or a call, and text already sent cannot be taken back.
 Its skipper then cuts nothing. (The orchestrator also asks the decode's metadata: a decode with
 a reasoning parser gets no early chunks whatever its prefill says.)
+
+With continuous usage (services/common/stream_usage.py) the early chunks carry the counts a
+mixed worker's would: the prefill's prompt tokens, none generated on the role chunk, then the
+first token. The decode's own chunks count that token too (its engine emits it first), so once
+the skipper has dropped the decode's copies, the stream's counts are the mixed worker's. A
+decode chunk whose every choice is cut goes, even with its usage: the client already has
+those counts from the early chunks.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.stream_usage import StreamUsage, TokenCounts
 from shared.protocol.pd import OUTPUT_PARSED_FIELD, ApiKind
 
 
@@ -31,19 +39,21 @@ def decode_parses(prefill: dict[str, Any]) -> bool:
     return prefill.get(OUTPUT_PARSED_FIELD) is True
 
 
-def early_chunks(kind: ApiKind, prefill: dict[str, Any],
-                 include_usage: bool) -> list[dict[str, Any]]:
+def early_chunks(kind: ApiKind, prefill: dict[str, Any], usage: StreamUsage,
+                 num_prompt_tokens: int = 0) -> list[dict[str, Any]]:
     """Stream chunks carrying the prefill's first token (role chunk first for chat); none when
-    the output is parsed (`decode_parses`)."""
+    the output is parsed (`decode_parses`). `num_prompt_tokens` (the prefill's usage) is
+    reported on each chunk when `usage.continuous`."""
     if decode_parses(prefill):
         return []
     base = {"id": prefill.get("id"), "object": kind.chunk_object,
             "created": prefill.get("created"), "model": prefill.get("model")}
     if "system_fingerprint" in prefill:  # the same engine fingerprint the decode's chunks carry
         base["system_fingerprint"] = prefill["system_fingerprint"]
-    if include_usage:
+    if usage.include_usage:
         base["usage"] = None
     chunks: list[dict[str, Any]] = []
+    num_completion_tokens = 0
     for choice in prefill.get("choices") or []:
         out: dict[str, Any] = {"index": choice.get("index", 0), "logprobs": choice.get("logprobs"),
                                "finish_reason": None}
@@ -53,11 +63,17 @@ def early_chunks(kind: ApiKind, prefill: dict[str, Any],
             role = {**base, "choices": [{"index": out["index"], "logprobs": None,
                                          "finish_reason": None,
                                          "delta": {"role": "assistant", "content": ""}}]}
+            if usage.continuous:
+                role["usage"] = TokenCounts(num_prompt_tokens, num_completion_tokens).usage()
             chunks.append(role)
             out["delta"] = {"content": _choice_text(kind, choice)}
         else:
             out["text"] = _choice_text(kind, choice)
-        chunks.append({**base, "choices": [out]})
+        chunk = {**base, "choices": [out]}
+        num_completion_tokens += _count_tokens(choice)
+        if usage.continuous:
+            chunk["usage"] = TokenCounts(num_prompt_tokens, num_completion_tokens).usage()
+        chunks.append(chunk)
     if chunks and "prompt_token_ids" in prefill:
         chunks[0]["prompt_token_ids"] = prefill["prompt_token_ids"]
     return chunks
@@ -103,7 +119,7 @@ class FirstTokenSkipper:
         if not choices:
             return chunk
         kept = [c for c in choices if self._trim(c)]
-        if not kept and chunk.get("usage") is None and "prompt_token_ids" not in chunk:
+        if not kept and "prompt_token_ids" not in chunk:  # (continuous usage: sent early)
             return None
         chunk["choices"] = kept
         return chunk

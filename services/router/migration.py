@@ -118,7 +118,7 @@ class StreamTracker:
         if not isinstance(choices, list) or not choices:
             return chunk
         kept = [c for c in choices if isinstance(c, dict) and self._choice(c)]
-        if not kept and chunk.get("usage") is None:
+        if not kept:  # its continuous usage, if any, is no news: the next chunk has it too
             return None
         chunk["choices"] = kept
         return chunk

@@ -28,6 +28,7 @@ from aiohttp import web
 
 from services.common.errors import ApiError
 from services.common.json_body import json_response
+from services.common.stream_usage import StreamUsage
 from services.router.client_stream import ClientStream, relay
 from services.router.config import RetryConfig, RouterConfig
 from services.router.errors import NoServableGroupError
@@ -370,9 +371,13 @@ class Orchestrator:
             # The decode reads reasoning out of its chat output and may hold the first token
             # back: it is the decode's parser that decides, whatever the prefill says.
             return None
-        include_usage = bool((req.body.get("stream_options") or {}).get("include_usage"))
+        usage = StreamUsage.from_body(req.body)
+        if usage.continuous and req.prompt_tokens is None:
+            # Early chunks would report usage without the prompt's count (a prefill that gave
+            # none): the decode's stream, which has it, carries the first token instead.
+            return None
         sent = 0
-        for chunk in early_chunks(req.kind, prefill, include_usage):
+        for chunk in early_chunks(req.kind, prefill, usage, req.prompt_tokens or 0):
             kept = req.tracker.outgoing(chunk) if req.tracker is not None else chunk
             if kept is not None:
                 await out.send(kept)

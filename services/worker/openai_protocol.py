@@ -23,6 +23,7 @@ from services.common.openai_fields import (
     SAMPLING,
     STREAM_OPTIONS,
 )
+from services.common.stream_usage import StreamUsage
 from services.worker.chat_messages import ChatTools, parse_messages, parse_tools
 from services.worker.fields import Fields, invalid, type_name
 from services.worker.structured_output import one_constraint, parse_structured
@@ -77,7 +78,7 @@ class CommonFields:
     model: str | None
     sampling: SamplingFields
     stream: bool
-    include_usage: bool
+    stream_usage: StreamUsage
     return_token_ids: bool
 
 
@@ -124,9 +125,10 @@ def parse_common(f: Fields, tool_spec: StructuredOutputSpec | None = None) -> Co
     options = f.read(COMMON["stream_options"])
     if options is not None and not stream:
         raise invalid("stream_options", "only allowed when 'stream' is true")
-    include_usage = options.read(STREAM_OPTIONS["include_usage"]) if options else False
-    if options is not None:
-        options.read(STREAM_OPTIONS["continuous_usage_stats"])  # accepted, not implemented
+    stream_usage = StreamUsage()
+    if options is not None:  # both members are checked, continuous_usage_stats even when ignored
+        stream_usage = StreamUsage.of(options.read(STREAM_OPTIONS["include_usage"]),
+                                      options.read(STREAM_OPTIONS["continuous_usage_stats"]))
     structured = one_constraint(parse_structured(f), tool_spec)
     sampling = parse_sampling(f)
     if sampling.resumed_token_ids and sampling.n > 1:
@@ -136,7 +138,7 @@ def parse_common(f: Fields, tool_spec: StructuredOutputSpec | None = None) -> Co
         sampling=dataclasses.replace(sampling, structured=structured,
                                      logit_bias=parse_logit_bias(f)),
         stream=stream,
-        include_usage=include_usage,
+        stream_usage=stream_usage,
         return_token_ids=f.read(COMMON["return_token_ids"]),
     )
 

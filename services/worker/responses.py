@@ -4,7 +4,10 @@ Non-streaming bodies are built from the final `ChoiceState`s. Streaming follows 
 vLLM: per choice, a first chunk (chat: `delta: {"role": "assistant", "content": ""}`;
 completions with echo: the prompt text), content chunks, then a chunk with an empty delta and
 the `finish_reason`; every chunk carries `"usage": null`, and with `include_usage` one last
-chunk has `"choices": []` and the totals.
+chunk has `"choices": []` and the totals. With `include_usage` and `continuous_usage_stats`
+(services/common/stream_usage.py) every chunk with choices carries the counts so far instead:
+the request's prompt tokens and the tokens its choices generated up to that chunk; a role
+chunk counts none of the output it precedes (completion_tokens 0 on the first, as vLLM).
 
 A chat request whose output is parsed (`ChatOutputPlan.active`: tool calls, reasoning) has each
 choice read by a `ParsedChoice`: its deltas become the chunks' `delta` fields, their join the
@@ -17,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.stream_usage import StreamUsage, TokenCounts
 from services.worker.chat_output import ChatOutputPlan
 from services.worker.generation import ChoiceState, PreparedPrompt
 from services.worker.logprobs import LogprobFormatter
@@ -38,7 +42,7 @@ class ResponseSpec:
     logprobs: int | None = None  # top-N to report; None: no logprobs
     echo: bool = False
     return_token_ids: bool = False
-    include_usage: bool = False
+    stream_usage: StreamUsage = StreamUsage()
 
 
 class ResponseBuilder:
@@ -54,6 +58,10 @@ class ResponseBuilder:
         self._full_object, self._chunk_object = spec.kind.response_object, spec.kind.chunk_object
         self.chat = chat if chat is not None and chat.active else None
         self._parsed: dict[int, ParsedChoice] = {}
+        self._num_prompt_tokens = sum(len(p.token_ids) for p in spec.prompts)
+        # Streaming: tokens generated so far, per choice index and in all (continuous usage).
+        self._num_generated: dict[int, int] = {}
+        self._num_completion_tokens = 0
 
     def parsed(self, state: ChoiceState) -> ParsedChoice | None:
         """The choice's parsing state (None when the output is not parsed)."""
@@ -78,10 +86,8 @@ class ResponseBuilder:
                 "choices": choices, "usage": usage}
 
     def usage(self, states: list[ChoiceState]) -> dict[str, Any]:
-        prompt = sum(len(p.token_ids) for p in self.spec.prompts)
         completion = sum(len(s.token_ids) for s in states)
-        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                                 "total_tokens": prompt + completion}
+        usage = TokenCounts(self._num_prompt_tokens, completion).usage()
         if self.chat is not None and self.chat.reasoning is not None:  # as vLLM: only then
             reasoning = sum(p.reasoning_tokens for s in states if (p := self.parsed(s)))
             usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
@@ -124,8 +130,20 @@ class ResponseBuilder:
             choices.append(choice)
         return self._envelope(self._full_object, choices, self.usage(states))
 
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        return self._envelope(self._chunk_object, [choice], None)
+    def _chunk(self, choice: dict[str, Any], counts: TokenCounts) -> dict[str, Any]:
+        """A chunk of one choice; `counts` are the request's so far, reported with continuous
+        usage only."""
+        usage = counts.usage() if self.spec.stream_usage.continuous else None
+        return self._envelope(self._chunk_object, [choice], usage)
+
+    def _count(self, state: ChoiceState) -> tuple[TokenCounts, TokenCounts]:
+        """The request's counts before and after the choice's newest output (`state` has taken
+        it in): a role chunk reports the former, the chunks showing the output the latter."""
+        before = TokenCounts(self._num_prompt_tokens, self._num_completion_tokens)
+        index = state.job.index
+        self._num_completion_tokens += len(state.token_ids) - self._num_generated.get(index, 0)
+        self._num_generated[index] = len(state.token_ids)
+        return before, TokenCounts(self._num_prompt_tokens, self._num_completion_tokens)
 
     def _delta_choice(self, state: ChoiceState, text: str | dict[str, Any], logprobs: Any,
                       finish: str | None) -> dict[str, Any]:
@@ -145,6 +163,7 @@ class ResponseBuilder:
     def chunks_for(self, state: ChoiceState, out: RequestOutput) -> list[dict[str, Any]]:
         """The chunks one engine output turns into (none when it carries nothing to show)."""
         chunks = []
+        before, counts = self._count(state)
         text, first = out.new_text, not state.started
         if first:
             state.started = True
@@ -152,7 +171,7 @@ class ResponseBuilder:
                 role = {"index": state.job.index, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None}
                 self._add_token_ids(role, state, [], with_prompt=True)
-                chunks.append(self._chunk(role))
+                chunks.append(self._chunk(role, before))
                 first = False
             elif self.spec.echo:
                 text = self.spec.prompts[state.job.prompt_index].text + text
@@ -165,10 +184,10 @@ class ResponseBuilder:
             logprobs = self._logprobs(state, out.new_logprobs or [])
             choice = self._delta_choice(state, payload, logprobs, None)
             self._add_token_ids(choice, state, out.new_token_ids, with_prompt=first)
-            chunks.append(self._chunk(choice))
+            chunks.append(self._chunk(choice, counts))
         if out.finished:
             finish = parsed.finish_reason(state.finish_reason) if parsed else state.finish_reason
-            chunks.append(self._chunk(self._delta_choice(state, "", None, finish)))
+            chunks.append(self._chunk(self._delta_choice(state, "", None, finish), counts))
         return chunks
 
     def usage_chunk(self, states: list[ChoiceState]) -> dict[str, Any]:

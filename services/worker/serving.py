@@ -162,7 +162,7 @@ class GenerationService:
                             created=int(time.time()), model=model,
                             system_fingerprint=self.system_fingerprint, prompts=prompts,
                             logprobs=logprobs, echo=echo, return_token_ids=common.return_token_ids,
-                            include_usage=common.include_usage)
+                            stream_usage=common.stream_usage)
 
     @staticmethod
     def _jobs(spec: ResponseSpec, params: list[SamplingParams], n: int) -> list[ChoiceJob]:
@@ -290,7 +290,7 @@ class GenerationService:
                 state.update(out)
                 timers[job.index].on_output(out)
                 await writer.send(builder.chunks_for(state, out))
-            if builder.spec.include_usage:
+            if builder.spec.stream_usage.include_usage:
                 await writer.send([builder.usage_chunk(list(states.values()))])
             await writer.done()
         except EngineRequestError as exc:

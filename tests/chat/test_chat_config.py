@@ -16,6 +16,7 @@ import yaml
 
 from services.cli import build_parser
 from services.commands.up import worker_flags
+from services.common.stream_usage import StreamUsage
 from services.router.first_token import FirstTokenSkipper, early_chunks
 from services.router.legs import can_stream_first_token_early
 from services.worker.config import WorkerConfig
@@ -112,9 +113,9 @@ def test_router_streams_no_raw_first_token_ahead_of_a_parsing_decode() -> None:
     assert not can_stream_first_token_early({**body, "tools": [tool]})
     assert not can_stream_first_token_early({**body, "tools": [tool], "tool_choice": "required"})
     assert can_stream_first_token_early({**body, "tools": [tool], "tool_choice": "none"})
-    assert early_chunks(ApiKind.CHAT, PREFILL, include_usage=False)  # unparsed: early text
+    assert early_chunks(ApiKind.CHAT, PREFILL, StreamUsage())  # unparsed: early text
     parsed = {**PREFILL, OUTPUT_PARSED_FIELD: True}
-    assert early_chunks(ApiKind.CHAT, parsed, include_usage=False) == []
+    assert early_chunks(ApiKind.CHAT, parsed, StreamUsage()) == []
     skipper = FirstTokenSkipper(ApiKind.CHAT, parsed)
     assert skipper.done  # nothing went out early, so nothing is cut from the decode's stream
     chunk = {"prompt_token_ids": [1, 2], "choices": [

@@ -130,6 +130,25 @@ async def test_chat_with_logprobs_streamed_or_not(mesh: Mesh, mode: str, stream:
         await settle_to_zero(s, *legs(mesh, mode))
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+async def test_decode_stream_usage_counts_the_prefills_token(mesh: Mesh, mode: str) -> None:
+    """With continuous usage the decode's stream, which starts with the prefill's first token,
+    reports the mixed worker's counts chunk for chunk (the router's early chunks, checked in
+    tests/router/test_router_api_parity.py, stand in for its first ones)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count the tokens."}],
+            "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    async with aiohttp.ClientSession() as s:
+        ref = await post(s, mesh.mixed.url + CHAT, body)
+        got = await dispatch(s, mesh, mode, CHAT, body)
+        assert got.status == ref.status == 200, got.body
+        assert [c["usage"] for c in got.chunks] == [c["usage"] for c in ref.chunks]
+        counts = [c["usage"]["completion_tokens"] for c in got.chunks if c["choices"]]
+        assert counts[:3] == [0, 1, 2] and counts[-1] == got.chunks[-1]["usage"][
+            "completion_tokens"] == 6
+        await settle_to_zero(s, *legs(mesh, mode))
+
+
 async def test_one_token_completion_is_just_the_prefills_token(mesh: Mesh) -> None:
     body = {"model": MODEL, "prompt": prompt(33), "max_tokens": 1, "temperature": 0,
             "return_token_ids": True}

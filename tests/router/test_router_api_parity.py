@@ -199,6 +199,31 @@ async def test_router_answers_as_a_mixed_worker(router: Router, workers: Workers
         await settle_to_zero(s, workers.prefill.url, workers.decode.url)
 
 
+PD_CASES = [c for c in CASES if not c[3]]
+
+
+@pytest.mark.parametrize(("path", "body"), [c[1:3] for c in PD_CASES], ids=[c[0] for c in PD_CASES])
+async def test_continuous_usage_equals_a_mixed_workers(router: Router, workers: Workers,
+                                                       path: str, body: dict[str, Any]) -> None:
+    """stream_options.continuous_usage_stats through P/D: the chunks the router makes from the
+    prefill's first token (and the role chunk, for chat) and the decode's later ones carry the
+    mixed worker's usage, chunk for chunk (the decode counts the prefill's token too), and only
+    the final chunk gets the router's phases."""
+    request = {**body, "stream": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    async with aiohttp.ClientSession() as s:
+        got, want = await _both(s, router, workers, path, request)
+        views = _stream_view(got.chunks, True), _stream_view(want.chunks, True)
+        assert _same(*views), views
+        *chunks, last = got.chunks
+        assert all(set(c["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+                   for c in chunks)
+        counts = [c["usage"]["completion_tokens"] for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == last["usage"]["completion_tokens"] == 5
+        assert last["choices"] == [] and _phases(got)["decision"] == "prefill_decode"
+        await settle_to_zero(s, workers.prefill.url, workers.decode.url)
+
+
 async def test_single_worker_requests_are_counted(router: Router, workers: Workers) -> None:
     async with aiohttp.ClientSession() as s:
         for _, path, body, _ in CASES[:3]:

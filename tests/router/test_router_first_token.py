@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+from services.common.stream_usage import StreamUsage
 from services.router.first_token import FirstTokenSkipper, early_chunks
 from services.router.legs import can_stream_first_token_early, decode_body, prefill_body
 from shared.protocol.pd import ApiKind
@@ -25,11 +26,42 @@ def _delta(content, role=None, lp=None, ids=None, finish=None, index=0):
 
 
 def test_chat_early_chunks_are_role_then_first_token():
-    chunks = early_chunks(ApiKind.CHAT, CHAT_PREFILL, include_usage=True)
+    chunks = early_chunks(ApiKind.CHAT, CHAT_PREFILL, StreamUsage(include_usage=True))
     assert [c["choices"][0]["delta"] for c in chunks] == [
         {"role": "assistant", "content": ""}, {"content": "Hel"}]
     assert chunks[1]["choices"][0]["token_ids"] == [7]
     assert all(c["usage"] is None and c["id"] == "p1" for c in chunks)
+
+
+def test_early_chunks_carry_continuous_usage_as_a_mixed_worker_counts():
+    """The role chunk counts no output (as vLLM), the first token's chunk one; the prompt's
+    count is the prefill's. Without include_usage, continuous_usage_stats is ignored."""
+    usage = StreamUsage.of(include_usage=True, continuous_usage_stats=True)
+    chunks = early_chunks(ApiKind.CHAT, CHAT_PREFILL, usage, num_prompt_tokens=11)
+    assert [c["usage"] for c in chunks] == [
+        {"prompt_tokens": 11, "completion_tokens": 0, "total_tokens": 11},
+        {"prompt_tokens": 11, "completion_tokens": 1, "total_tokens": 12}]
+    completion = {**CHAT_PREFILL, "choices": [{"index": 0, "text": "Hel", "logprobs": None}]}
+    [chunk] = early_chunks(ApiKind.COMPLETIONS, completion, usage, num_prompt_tokens=3)
+    assert chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    ignored = StreamUsage.of(include_usage=False, continuous_usage_stats=True)
+    assert not ignored.continuous
+    assert all("usage" not in c for c in early_chunks(ApiKind.CHAT, CHAT_PREFILL, ignored, 11))
+    assert StreamUsage.from_body({"stream_options": {"include_usage": True,
+                                                     "continuous_usage_stats": True}}) == usage
+    assert StreamUsage.from_body({"stream_options": {"continuous_usage_stats": True}}) == ignored
+
+
+def test_skipper_drops_the_decodes_copies_even_with_continuous_usage():
+    """The decode's role and first-token chunks carry usage too; cut to nothing they are
+    dropped (the client got those counts early), not sent on as choice-less usage chunks."""
+    skip = FirstTokenSkipper(ApiKind.CHAT, CHAT_PREFILL)
+    role = _delta("", role="assistant", lp=[], ids=[])
+    role["usage"] = {"prompt_tokens": 11, "completion_tokens": 0, "total_tokens": 11}
+    assert skip.apply(role) is None
+    first = _delta("Hel", lp=[{"token": "Hel"}], ids=[7])
+    first["usage"] = {"prompt_tokens": 11, "completion_tokens": 1, "total_tokens": 12}
+    assert skip.apply(first) is None and skip.done
 
 
 def test_skipper_cuts_text_logprobs_and_ids_of_the_first_token_only():

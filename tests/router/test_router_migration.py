@@ -21,8 +21,9 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from services.router.app import create_app as create_router
 from services.router.config import MigrationConfig, RouterConfig
+from services.router.migration import StreamTracker
 from services.worker.routes import RUNTIME_KEY
-from shared.protocol.pd import PHASES_HEADER
+from shared.protocol.pd import PHASES_HEADER, ApiKind
 from tests.support.sse import split_events
 
 BOUND_S = 60.0
@@ -161,16 +162,58 @@ def _assert_same_stream(reference: Stream, migrated: Stream) -> None:
     assert not any("error" in e for e in migrated.events)
 
 
-async def test_engine_failure_mid_stream_continues_on_the_other_worker(router, tiny_workers):
+def _assert_continuous_usage(stream: Stream) -> None:
+    """Each chunk's usage counts the tokens sent so far (its token ids, summed) and the
+    original prompt: across a migration too, where the continuation's prompt holds them."""
+    *chunks, last = stream.events
+    sent = 0
+    for event in chunks:
+        sent += sum(len(c.get("token_ids") or []) for c in event["choices"])
+        assert event["usage"] == {"prompt_tokens": last["usage"]["prompt_tokens"],
+                                  "completion_tokens": sent,
+                                  "total_tokens": last["usage"]["prompt_tokens"] + sent}
+    assert sent == last["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+@pytest.mark.parametrize("continuous", [False, True], ids=["usage", "continuous_usage"])
+async def test_engine_failure_mid_stream_continues_on_the_other_worker(router, tiny_workers,
+                                                                      continuous):
     def boom(batch: Any) -> None:
         raise RuntimeError("injected step failure")
 
     body = {**COMPLETION, "return_token_ids": True}
+    if continuous:
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     reference, migrated = await _migrate_one(router, tiny_workers, "/v1/completions", body, boom)
     _assert_same_stream(reference, migrated)
+    if continuous:
+        _assert_continuous_usage(reference)
+        _assert_continuous_usage(migrated)
     assert "prompt_token_ids" in json.dumps(migrated.events[0])  # asked for: kept, once
     assert json.dumps(migrated.events).count("prompt_token_ids") == 1
     assert await _metric(router, "error_event") == 1
+
+
+def test_a_continuations_role_chunk_with_continuous_usage_is_dropped():
+    """A continuation repeats the role chunk, with usage under continuous_usage_stats: it is
+    dropped (not sent as a choice-less usage chunk), and the counts of the next chunk have
+    the resumed ids moved from the prompt to the output."""
+    tracker = StreamTracker(ApiKind.CHAT, client_wants_ids=False)
+    first = {"id": "c", "created": 1, "choices": [{"index": 0, "delta": {"content": "a"},
+                                                   "token_ids": [5, 6]}],
+             "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+    assert tracker.outgoing(first) is not None
+    assert tracker.resume() == [5, 6]
+    role = {"id": "d", "created": 2, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                        "content": ""}}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}}
+    assert tracker.outgoing(role) is None
+    more = {"id": "d", "created": 2, "choices": [{"index": 0, "delta": {"content": "b"},
+                                                  "token_ids": [7]}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}
+    out = tracker.outgoing(more)
+    assert out is not None and out["id"] == "c"
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
 
 
 async def test_wedged_engine_is_left_at_the_stall_limit(router, tiny_workers):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from services.router.config import Policy
 from tests.support.fake_worker import FakeWorker, Rendezvous, expected_text
 
@@ -128,6 +130,20 @@ async def test_stream_options_without_stream_is_rejected_before_any_leg(make_mes
     resp, doc = await _post(mesh, "/v1/completions", body)
     assert resp.status == 400 and doc["error"]["param"] == "stream_options"
     assert not mesh.role("prefill")[0].calls
+
+
+@pytest.mark.parametrize("member", ["include_usage", "continuous_usage_stats"])
+async def test_a_non_boolean_stream_option_is_a_400_before_any_leg(make_mesh, member):
+    """The prefill leg drops stream_options, and the router's early chunks follow them: a
+    malformed one is refused before the first token could go out (never a 200 ending in an
+    error event from the decode)."""
+    mesh = await make_mesh([FakeWorker("prefill"), FakeWorker("decode")])
+    body = {"model": "fake-model", "prompt": "x", "stream": True,
+            "stream_options": {"include_usage": True, member: "yes"}}
+    resp, doc = await _post(mesh, "/v1/completions", body)
+    assert resp.status == 400 and set(doc["error"]) == {"message", "type", "param", "code"}
+    assert doc["error"]["param"] == f"stream_options.{member}"
+    assert not mesh.role("prefill")[0].calls and not mesh.role("decode")[0].calls
 
 
 async def test_prefix_aware_prefill_policy_follows_the_prefix_until_overloaded(make_mesh):

@@ -8,7 +8,14 @@ import json
 import aiohttp
 import openai
 
-from tests.support.fake_worker import FakeWorker, Rendezvous, expected_text, token_texts
+from tests.support.fake_worker import (
+    FakeWorker,
+    Rendezvous,
+    expected_text,
+    prompt_words,
+    token_texts,
+)
+from tests.support.sse import split_events
 
 
 def _sdk(mesh) -> openai.AsyncOpenAI:
@@ -53,6 +60,37 @@ async def test_completions_stream_equals_mixed_worker(make_mesh):
                                                      max_tokens=5, stream=True)
             outs.append("".join([c.choices[0].text async for c in stream]))
     assert outs[0] == outs[1] == expected_text({"prompt": "once upon", "max_tokens": 5})
+
+
+async def _chunks(mesh, path: str, body: dict) -> list[dict]:
+    resp = await mesh.client.post(path, json=body)
+    assert resp.status == 200, await resp.text()
+    return [json.loads(p) for p in split_events(await resp.read())[:-1]]
+
+
+async def test_continuous_usage_through_pd_equals_mixed_worker(make_mesh):
+    """The router's early chunks (the prefill's first token, and the role for chat) carry the
+    usage the mixed worker's chunks carry; the decode's copies of them are dropped, its later
+    chunks relayed as they are (no phases or cached tokens on them: those stay on the final
+    chunk)."""
+    pd = await make_mesh([FakeWorker("prefill"), FakeWorker("decode")])
+    mixed = await make_mesh([FakeWorker("mixed")])
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "a b"}]}),
+                       ("/v1/completions", {"prompt": "once upon a time"})):
+        request = {**body, "model": "fake-model", "max_tokens": 4, "stream": True,
+                   "stream_options": options}
+        got, want = await _chunks(pd, path, request), await _chunks(mixed, path, request)
+        assert [(c["choices"], c["usage"]) for c in got[:-1]] == [
+            (c["choices"], c["usage"]) for c in want[:-1]]
+        counts = [c["usage"]["completion_tokens"] for c in got[:-1]]
+        assert counts == ([0] if "messages" in body else []) + [1, 2, 3, 4]
+        prompt = len(prompt_words(body))
+        assert all(c["usage"]["prompt_tokens"] == prompt for c in got)
+        assert got[-1]["choices"] == [] and got[-1]["usage"]["completion_tokens"] == 4
+        assert got[-1]["usage"]["pdmesh"]["decision"] == "prefill_decode"
+        # Sent early: the stream has the prefill's id (p<n>) throughout, the decode's renamed.
+        assert len({c["id"] for c in got}) == 1 and got[0]["id"].startswith("p")
 
 
 async def test_first_token_reaches_the_client_before_the_decode_streams(make_mesh):

@@ -20,6 +20,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
+from services.common.stream_usage import StreamUsage, TokenCounts
+
 MODEL = "fake-model"
 
 
@@ -243,8 +245,10 @@ class FakeWorker:
         if self.decode_gate is not None:
             await self.decode_gate.wait()
         chat = request.path.endswith("chat/completions")
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        for event in _stream_events(chat, cid, texts, include_usage, len(prompt_words(body))):
+        options = body.get("stream_options") or {}
+        usage = StreamUsage.of(options.get("include_usage") is True,
+                               options.get("continuous_usage_stats") is True)
+        for event in _stream_events(chat, cid, texts, usage, len(prompt_words(body))):
             if fault and fault.cut_after is not None and event.get("_index", 0) >= fault.cut_after:
                 request.transport.close()
                 return resp
@@ -279,11 +283,13 @@ def _completion(path: str, body: dict[str, Any], texts: list[str], finish: str, 
             "usage": _usage(body, len(texts))}
 
 
-def _stream_events(chat: bool, cid: str, texts: list[str], include_usage: bool,
+def _stream_events(chat: bool, cid: str, texts: list[str], usage: StreamUsage,
                    prompt_tokens: int) -> list[dict[str, Any]]:
+    """The chunks a worker streams; with continuous usage each carries the counts so far
+    (none on the role chunk), as a real worker's do."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     base: dict[str, Any] = {"id": cid, "object": obj, "created": 1, "model": MODEL}
-    if include_usage:
+    if usage.include_usage:
         base["usage"] = None
     events = []
     if chat:
@@ -297,7 +303,11 @@ def _stream_events(chat: bool, cid: str, texts: list[str], include_usage: bool,
         else:
             choice["text"] = text
         events.append({**base, "choices": [choice], "_index": i})
-    if include_usage:
+    if usage.continuous:
+        for event in events:
+            done = event.get("_index", -1) + 1
+            event["usage"] = TokenCounts(prompt_tokens, done).usage()
+    if usage.include_usage:
         events.append({"id": cid, "object": obj, "created": 1, "model": MODEL, "choices": [],
                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(texts),
                                  "total_tokens": prompt_tokens + len(texts),

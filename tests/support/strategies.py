@@ -26,5 +26,6 @@ plausible = st.one_of(
     st.lists(st.integers(min_value=-5, max_value=300), max_size=5),
     st.just([{"role": "user", "content": "x"}]),
     st.just([{"type": "function", "function": {"name": "f"}}]),
-    st.just({"include_usage": True}), st.just({"type": "text"}))
+    st.just({"include_usage": True}), st.just({"type": "text"}),
+    st.just({"include_usage": True, "continuous_usage_stats": True}))
 bodies = st.dictionaries(st.sampled_from(FIELDS), plausible | json_values, max_size=8)

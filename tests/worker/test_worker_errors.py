@@ -58,6 +58,11 @@ async def test_malformed_and_non_object_bodies(client: TestClient) -> None:
     (COMP, {"prompt": "x", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
     (COMP, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     (COMP, {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    (COMP, {"prompt": "x", "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": "yes"}}, "stream_options.continuous_usage_stats"),
+    # Checked even where it would be ignored (no include_usage).
+    (CHAT, {"messages": MSG, "stream": True, "stream_options": {"continuous_usage_stats": 1}},
+     "stream_options.continuous_usage_stats"),
     (COMP, {"prompt": "x", "stream": "yes"}, "stream"),
     (COMP, {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     (COMP, {"prompt": "x", "suffix": "y"}, "suffix"),

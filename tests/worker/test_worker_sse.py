@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from aiohttp.test_utils import TestClient
 
 from services.common.json_body import dumps
@@ -43,6 +44,59 @@ async def test_completion_stream_bytes_and_usage(client: TestClient) -> None:
 async def test_stream_without_usage_has_null_usage_everywhere(client: TestClient) -> None:
     chunks, _ = await stream(client, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert all(c["usage"] is None and len(c["choices"]) == 1 for c in chunks)
+
+
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def continuous_counts(chunks: list[dict]) -> list[int]:
+    """The completion_tokens of every chunk with choices, checked: each carries the usage so
+    far, its prompt count the final chunk's, its total the sum; the counts never go down and
+    end at the final chunk's."""
+    *body, last = chunks
+    assert last["choices"] == [] and isinstance(last["usage"], dict)
+    assert all(len(c["choices"]) == 1 and isinstance(c["usage"], dict) for c in body)
+    usages = [c["usage"] for c in body]
+    assert all(set(u) == {"prompt_tokens", "completion_tokens", "total_tokens"} for u in usages)
+    assert all(u["prompt_tokens"] == last["usage"]["prompt_tokens"] for u in usages)
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+    counts = [u["completion_tokens"] for u in usages]
+    assert counts == sorted(counts) and counts[-1] == last["usage"]["completion_tokens"]
+    return counts
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_continuous_usage_counts_so_far_on_every_chunk(client: TestClient, n: int) -> None:
+    """One token per engine output (the fake engine): n=1 counts each chunk's tokens; n=2 the
+    request's, both choices summed. The final chunk stays as without the option."""
+    base = {"max_tokens": 3, "n": n, "seed": 1, "stream_options": CONTINUOUS}
+    chunks, _ = await stream(client, "/v1/completions", {**base, "prompt": "hi"})
+    counts = continuous_counts(chunks)
+    plain, _ = await stream(client, "/v1/completions", {
+        **base, "prompt": "hi", "stream_options": {"include_usage": True}})
+    assert chunks[-1]["usage"] == plain[-1]["usage"] == {
+        "prompt_tokens": 3, "completion_tokens": 3 * n, "total_tokens": 3 + 3 * n}
+    chat, _ = await stream(client, "/v1/chat/completions", {
+        **base, "messages": [{"role": "user", "content": "x"}]})
+    chat_counts = continuous_counts(chat)
+    if n == 1:
+        assert counts == [1, 2, 3, 3]  # the finish chunk repeats the last count
+        assert chat_counts == [0, 1, 2, 3, 3]  # the role chunk counts none (as vLLM)
+    else:
+        assert len(counts) == len(set(counts)) + 2 and counts[-1] == 6  # 2 finish chunks
+        assert chat_counts[0] == 0 and chat_counts[-1] == 6
+
+
+async def test_continuous_usage_without_include_usage_is_ignored(client: TestClient) -> None:
+    """As vLLM: continuous_usage_stats alone changes nothing (no usage anywhere)."""
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        chunks, _ = await stream(client, path, {
+            **body, "max_tokens": 2, "stream_options": {"continuous_usage_stats": True}})
+        assert all(c["usage"] is None and len(c["choices"]) == 1 for c in chunks)
+        off, _ = await stream(client, path, {**body, "max_tokens": 2, "stream_options": {
+            "include_usage": True, "continuous_usage_stats": False}})
+        assert all(c["usage"] is None for c in off[:-1]) and off[-1]["choices"] == []
 
 
 async def test_chat_stream_n2_role_first_per_index(client: TestClient) -> None:
