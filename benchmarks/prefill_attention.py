@@ -1,16 +1,18 @@
-"""Prefill attention per layer: the bf16-dot-product flash kernel against torch's CPU flash kernel.
+"""Prefill attention per layer: our flash kernel against torch's CPU flash kernel.
 
     .venv/bin/python benchmarks/prefill_attention.py [--lengths 32,200,2000,8000]
         [--cached 0] [--heads 9 --kv-heads 3 --head-dim 64] [--reps 5] [--threads 2]
+        [--kernel avx512_bf16|avx2]
 
 One layer's causal attention of a prompt of L tokens (after --cached tokens already in the
 paged cache), SmolLM2-135M's heads by default, on both implementations of the op
 pdmesh_dense::prefill_attention, alternating in one process on the same inputs: torch's
 _scaled_dot_product_flash_attention_for_cpu over the gathered K / V (what every prefill ran
-before), and kernels/dense/csrc/flash_avx512bf16.cpp. Prints the median ms per call of --reps
-(after one warm-up each), the ratio torch / bf16 kernel, the effective GMAC/s of the bf16 kernel
-(the causal QK^T and PV multiply-adds), and the largest difference between the two outputs.
-Needs a CPU with avx512_bf16: the bf16 kernel refuses to run elsewhere.
+before), and one of ours: kernels/dense/csrc/flash_avx512bf16.cpp (bf16 dot products; the
+default where the CPU has avx512_bf16) or flash_avx2.cpp (fp32 FMA; the default elsewhere).
+Prints the median ms per call of --reps (after one warm-up each), the ratio torch / ours, the
+effective GMAC/s of ours (the causal QK^T and PV multiply-adds), and the largest difference
+between the two outputs.
 """
 
 from __future__ import annotations
@@ -58,33 +60,38 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kernel", choices=("avx512_bf16", "avx2"), default=None,
+                   help="ours to time (default: avx512_bf16 where the CPU has it, else avx2)")
     args = p.parse_args()
     info = dense.build_info()
-    if info.state != "ready" or "avx512_bf16" not in info.available:
-        sys.exit(f"needs the dense library on an avx512_bf16 CPU (state {info.state}, "
+    if info.state != "ready" or "avx2" not in info.available:
+        sys.exit(f"needs the dense library on an AVX2 CPU (state {info.state}, "
                  f"tiers {info.available})")
+    kernel = args.kernel or ("avx512_bf16" if "avx512_bf16" in info.available else "avx2")
+    if kernel not in info.available:
+        sys.exit(f"this CPU cannot run the {kernel} kernel (tiers {info.available})")
     torch.set_num_threads(args.threads)
     op = torch.ops.pdmesh_dense.prefill_attention
     h, kvh, d = args.heads, args.kv_heads, args.head_dim
     print(f"# {cpu_kind()}, {args.threads} threads; heads {h} / {kvh} kv, head_dim {d}, "
-          f"{args.cached} cached tokens")
-    print("| prompt tokens | torch flash (ms) | bf16 kernel (ms) | torch / bf16 | bf16 GMAC/s "
-          "| max abs diff |")
+          f"{args.cached} cached tokens; ours: the {kernel} kernel")
+    print(f"| prompt tokens | torch flash (ms) | {kernel} kernel (ms) | torch / ours "
+          "| ours GMAC/s | max abs diff |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for length in (int(x) for x in args.lengths.split(",")):
         q, kv, table, ctx = inputs(length, args.cached, h, kvh, d)
 
-        def run(bf16: bool, q: torch.Tensor = q, kv: torch.Tensor = kv,
+        def run(ours: bool, q: torch.Tensor = q, kv: torch.Tensor = kv,
                 table: torch.Tensor = table, ctx: int = ctx) -> torch.Tensor:
-            return op(q, kv, table, ctx, h, kvh, d ** -0.5, bf16)
+            return op(q, kv, table, ctx, h, kvh, d ** -0.5, kernel if ours else "torch")
 
         diff = (run(True).float() - run(False).float()).abs().max().item()
         times: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(args.reps):
-            for bf16 in (False, True):  # alternate, so drift falls on both
+            for ours in (False, True):  # alternate, so drift falls on both
                 start = time.perf_counter()
-                run(bf16)
-                times[bf16].append(time.perf_counter() - start)
+                run(ours)
+                times[ours].append(time.perf_counter() - start)
         ours, theirs = statistics.median(times[True]), statistics.median(times[False])
         gmacs = causal_macs(length, args.cached, h, d) / ours / 1e9
         print(f"| {length:,} | {theirs * 1e3:.2f} | {ours * 1e3:.2f} | {theirs / ours:.2f}x "

@@ -26,7 +26,8 @@ NAMESPACE = "pdmesh_dense"  # extension name and torch.ops namespace
 SOURCES = ("ops.cpp", "layer_ops.cpp", "decode_team.cpp", "greedy_head.cpp",
            "gemv_avx512.cpp", "layer_avx512.cpp", "attend_avx512.cpp", "screen_avx512.cpp",
            "flash_avx512bf16.cpp",
-           "gemv_avx2.cpp", "layer_avx2.cpp", "attend_avx2.cpp", "screen_avx2.cpp")
+           "gemv_avx2.cpp", "layer_avx2.cpp", "attend_avx2.cpp", "screen_avx2.cpp",
+           "flash_avx2.cpp")
 RECIPE = Recipe(NAMESPACE, CSRC, SOURCES, Path(__file__), fallback="torch's F.linear")
 
 

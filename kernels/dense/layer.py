@@ -149,7 +149,8 @@ class NativeDecoder:
     @property
     def prefill_attention_kernel(self) -> str:
         """Which kernel runs this tier's prefill attention (sequences of 16 or 64+ new rows):
-        the bf16 flash kernel on avx512_bf16 without AMX, else torch's CPU flash kernel."""
+        the bf16 flash kernel on avx512_bf16 without AMX, the fp32 one on avx2, else torch's
+        CPU flash kernel."""
         return str(self._ops.prefill_attention_kernel(self._path_id))
 
     @staticmethod

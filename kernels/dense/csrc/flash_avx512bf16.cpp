@@ -225,8 +225,9 @@ void flash_pack_avx512bf16(const FlashArgs& a, int64_t i0, int64_t i1) {
   const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
   for (int64_t item = i0; item < i1; ++item) {
     const int64_t h = item / tiles, tile = item % tiles;
-    uint32_t* kt = reinterpret_cast<uint32_t*>(a.k_packed + (h * tiles + tile) * kTileKeys * d);
-    uint16_t* vt = a.v_packed + (h * tiles + tile) * kTileKeys * d;  // 8 key pairs x D x 2
+    uint32_t* kt = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(a.k_packed) +
+                                               (h * tiles + tile) * kTileKeys * d);
+    uint16_t* vt = static_cast<uint16_t*>(a.v_packed) + (h * tiles + tile) * kTileKeys * d;
     const uint16_t* kr[kTileKeys];  // each key's K / V row in the cache; nullptr past ctx
     const uint16_t* vr[kTileKeys];
     for (int64_t j = 0; j < kTileKeys; ++j) {
@@ -273,8 +274,8 @@ void flash_item_avx512bf16(const FlashArgs& a, int64_t item, float* scratch) {
   }
   __builtin_memset(w.o, 0, rows * d * sizeof(float));
   const int64_t end = cached + t1;  // keys [0, end) are visible to some row
-  const uint16_t* k_head = a.k_packed + h * tiles * kTileKeys * d;
-  const uint16_t* v_head = a.v_packed + h * tiles * kTileKeys * d;
+  const uint16_t* k_head = static_cast<const uint16_t*>(a.k_packed) + h * tiles * kTileKeys * d;
+  const uint16_t* v_head = static_cast<const uint16_t*>(a.v_packed) + h * tiles * kTileKeys * d;
   for (int64_t k0 = 0; k0 < end; k0 += kFlashKeys) {
     // Whole 32-key tiles (the packing pads to kFlashKeys with zero keys, masked below).
     const int64_t width = min64(kFlashKeys, (end - k0 + 31) / 32 * 32);

@@ -81,14 +81,17 @@ void attend_avx2(const uint16_t* q, const StepArgs& s, const CacheArgs& c, float
                  uint16_t* out, float* scratch, int64_t* offsets, int64_t i0, int64_t i1);
 
 // Causal attention of one sequence's q_len new rows over its whole context (ctx keys, the last
-// q_len of them the new rows': row t sits at position ctx - q_len + t) with bf16 dot products
-// (flash_avx512bf16.cpp; call only with avx512_bf16). The caller packs the context's K / V once
-// (flash_pack_*, items [0, KVH * flash_padded_keys(ctx) / 16)), then runs every work item
-// (flash_item_*, [0, flash_items(a)), any order, any thread) with its own scratch of
+// q_len of them the new rows': row t sits at position ctx - q_len + t), as a flash kernel:
+// bf16 dot products (flash_avx512bf16.cpp; call only with avx512_bf16) or fp32 FMA
+// (flash_avx2.cpp; call only with AVX2 and FMA). The caller packs the context's K / V once
+// (flash_pack_*, items [0, KVH * flash_padded_keys(ctx) / 16)) into buffers of
+// flash_packed_elems(a) elements of LayerKernels::flash_packed_bytes each, then runs every
+// work item (flash_item_*, [0, flash_items(a)), any order, any thread) with its own scratch of
 // flash_scratch_floats(a) floats. q / out [q_len, H, D] bf16; D a multiple of 32, at most
 // kFlashMaxHeadDim; H / KVH at most kFlashMaxGroup.
 constexpr int64_t kFlashKeys = 128;       // keys per softmax block
-constexpr int64_t kFlashTokens = 16;      // query tokens per work item
+constexpr int64_t kFlashTokens = 16;      // query tokens per work item of the bf16 kernel
+constexpr int64_t kFlashMaxTokens = 32;   // ... and at most, of any kernel (FlashArgs::tokens)
 constexpr int64_t kFlashMaxHeadDim = 256;
 constexpr int64_t kFlashMaxGroup = 16;
 struct FlashArgs {
@@ -99,22 +102,30 @@ struct FlashArgs {
   const int32_t* block_table;   // the sequence's blocks
   int64_t block_size, q_len, ctx, heads, kv_heads, d;
   float scale;
-  uint16_t* k_packed;  // [KVH, flash_padded_keys(ctx) * D]: 16-key tiles, channel pairs
-  uint16_t* v_packed;  // [KVH, flash_padded_keys(ctx) * D]: key pairs, channels
+  int64_t tokens;  // query tokens per work item (LayerKernels::flash_item_rows)
+  void* k_packed;  // the kernel's own layout (its file's header): bf16 pairs or fp32
+  void* v_packed;
 };
 static inline int64_t flash_padded_keys(int64_t ctx) {
   return (ctx + kFlashKeys - 1) / kFlashKeys * kFlashKeys;
 }
+static inline int64_t flash_packed_elems(const FlashArgs& a) {  // each of K and V
+  return a.kv_heads * flash_padded_keys(a.ctx) * a.d;
+}
 static inline int64_t flash_query_blocks(const FlashArgs& a) {
-  return (a.q_len + kFlashTokens - 1) / kFlashTokens;
+  return (a.q_len + a.tokens - 1) / a.tokens;
 }
 static inline int64_t flash_items(const FlashArgs& a) { return a.kv_heads * flash_query_blocks(a); }
+// Enough for either kernel: rows padded to a multiple of 24 (the bf16 kernel pads to 8, the
+// fp32 one to 6) x (scores, probabilities, Q, O, m, l).
 static inline int64_t flash_scratch_floats(const FlashArgs& a) {
-  const int64_t rows = (kFlashTokens * (a.heads / a.kv_heads) + 7) / 8 * 8;
-  return rows * (kFlashKeys + kFlashKeys / 2 + a.d + 2);  // scores, bf16 probabilities, O, m, l
+  const int64_t rows = (a.tokens * (a.heads / a.kv_heads) + 23) / 24 * 24;
+  return rows * (2 * kFlashKeys + 2 * a.d + 2);
 }
 void flash_pack_avx512bf16(const FlashArgs& a, int64_t i0, int64_t i1);
 void flash_item_avx512bf16(const FlashArgs& a, int64_t item, float* scratch);
+void flash_pack_avx2(const FlashArgs& a, int64_t i0, int64_t i1);
+void flash_item_avx2(const FlashArgs& a, int64_t item, float* scratch);
 
 // One tier's kernels, chosen once per op call from its `path` (layer_ops.cpp).
 struct LayerKernels {
@@ -129,6 +140,10 @@ struct LayerKernels {
   // Prefill chunks' attention (FlashArgs), or nullptr: torch's CPU flash kernel runs them.
   void (*flash_pack)(const FlashArgs&, int64_t, int64_t) = nullptr;
   void (*flash_item)(const FlashArgs&, int64_t, float*) = nullptr;
+  int64_t flash_packed_bytes = 0;  // per packed K / V element
+  int64_t flash_min_rows = 0;      // new rows from which a sequence takes the flash kernel
+  int64_t flash_item_rows = 0;     // query rows per work item, about; 0: kFlashTokens tokens
+  const char* flash_name = nullptr;  // what `pdmesh doctor` prints
 };
 
 }  // namespace pdmesh_dense

@@ -7,12 +7,13 @@
 //       RoPE on q and k, K/V written to the paged cache, causal attention over each sequence's
 //       context read straight from its block table (any T: prefill chunks and decode rows; a
 //       sequence of 16 or 64+ new rows runs a blocked flash kernel instead:
-//       flash_avx512bf16.cpp on path 3 without AMX, else torch's);
+//       flash_avx512bf16.cpp on path 3 without AMX, flash_avx2.cpp on path 2, else torch's);
 //       window > 0: a sliding window, the query at position p reads keys p - window < j <= p.
 //   prefill_attention(q, kv_layer, block_table, context_len, num_heads, num_kv_heads, scale,
-//                     bf16_dots) -> Tensor [T, H D]
-//       One sequence's blocked attention alone, on the bf16 kernel or torch's (tests, benchmarks).
-//   prefill_attention_kernel(path) -> str: which of the two `path` runs (pdmesh doctor).
+//                     kernel) -> Tensor [T, H D]
+//       One sequence's blocked attention alone, on a named flash kernel or torch's (tests,
+//       benchmarks).
+//   prefill_attention_kernel(path) -> str: which one `path` runs (pdmesh doctor).
 //   decoder_layers(h!, kv_cache!, cos_sin, block_tables, context_lens, query_start,
 //                  Tensor?[] weights, num_heads, num_kv_heads, eps, scale, path, mxfp4_path,
 //                  team=True, windows=[]) -> ()
@@ -71,19 +72,22 @@ constexpr int64_t kMinKeysPerChunk = 4096;  // attention: (row, kv head, key) tr
 // 0 / 200 / 1,000 / 4,000 cached tokens: 1.35x / 1.8x / 2.1x / 2.2x at 16 rows; at 8 rows
 // 1.1x / 1.5x / 1.8x / 2.0x, and at 4 rows slower without cached context.
 constexpr int64_t kTorchFlashMinRows = 64;
-constexpr int64_t kBf16FlashMinRows = 16;
 
 constexpr LayerKernels kAvx512{rms_norm_avx512, add_inplace_avx512, silu_mul_avx512,
                                rope_store_avx512, attend_avx512};
+// The avx2 tier runs prefill attention on its fp32 FMA kernel (flash_avx2.cpp): torch's kernel
+// reaches about a third of the FMA peak there (README, "Prefill attention on AVX2").
 constexpr LayerKernels kAvx2{rms_norm_avx2, add_inplace_avx2, silu_mul_avx2, rope_store_avx2,
-                             attend_avx2};
+                             attend_avx2, flash_pack_avx2, flash_item_avx2, 4, 16, 96,
+                             "fp32 flash kernel (AVX2 FMA)"};
 // Path 3 also runs prefill attention on vdpbf16ps (flash_avx512bf16.cpp), except with AMX:
 // there torch's flash kernel multiplies on AMX tiles, which no vdpbf16ps loop matches. Without
 // AMX, torch's kernel runs bf16 at fp32 FMA speed and ours is faster (README, "Prefill
 // attention on bf16 dot products").
 constexpr LayerKernels kAvx512Bf16{rms_norm_avx512, add_inplace_avx512, silu_mul_avx512,
                                    rope_store_avx512, attend_avx512, flash_pack_avx512bf16,
-                                   flash_item_avx512bf16};
+                                   flash_item_avx512bf16, 2, 16, 0,
+                                   "bf16 flash kernel (vdpbf16ps)"};
 
 }  // namespace
 
@@ -189,23 +193,32 @@ void torch_flash_attention(const Prefill& p, at::Tensor& out) {
   out.narrow(0, p.r0, q_len).view({q_len, p.heads, d}).copy_(o.squeeze(0).permute({1, 0, 2}));
 }
 
-// Whether k's bf16-dot-product kernel runs this geometry (layer.h: FlashArgs).
+// Whether k has a flash kernel and it runs this geometry (layer.h: FlashArgs).
 bool flash_fits(const LayerKernels& k, int64_t heads, int64_t kv_heads, int64_t d) {
   return k.flash_item != nullptr && d % 32 == 0 && d <= kFlashMaxHeadDim &&
          heads / kv_heads <= kFlashMaxGroup;
 }
 
-// The same attention on k's bf16-dot-product kernel (flash_avx512bf16.cpp): K / V packed once,
-// then the work items. Items differ in cost (a later query block sees more keys), so each
+// Query tokens per work item of k's flash kernel for `group` query heads per kv head: about
+// k.flash_item_rows rows. More rows reuse each K / V block, which comes from L3 or DRAM at long
+// contexts, for more queries; fewer keep the item's scratch in L2 (flash_avx2.cpp).
+int64_t item_tokens(const LayerKernels& k, int64_t group) {
+  if (k.flash_item_rows == 0) return kFlashTokens;
+  return std::clamp<int64_t>(k.flash_item_rows / group, 1, kFlashMaxTokens);
+}
+
+// The same attention on k's flash kernel (flash_avx512bf16.cpp, flash_avx2.cpp): K / V packed
+// once, then the work items. Items differ in cost (a later query block sees more keys), so each
 // thread takes them from a shared counter, longest first, rather than from a static split.
-void bf16_flash_attention(const LayerKernels& k, const Prefill& p, at::Tensor& out) {
+void kernel_flash_attention(const LayerKernels& k, const Prefill& p, at::Tensor& out) {
   const int64_t d = p.kv.size(4), padded = flash_padded_keys(p.ctx);
   FlashArgs a{bits(p.q) + p.r0 * p.heads * d, bits(out) + p.r0 * p.heads * d, bits(p.kv[0]),
               bits(p.kv[1]), p.table, p.kv.size(2), p.q_len, p.ctx, p.heads, p.kv_heads, d,
-              static_cast<float>(p.scale), nullptr, nullptr};
-  at::Tensor packed = at::empty({2, p.kv_heads * padded * d}, p.q.options());
-  a.k_packed = bits(packed);
-  a.v_packed = a.k_packed + p.kv_heads * padded * d;
+              static_cast<float>(p.scale), item_tokens(k, p.heads / p.kv_heads), nullptr, nullptr};
+  const int64_t bytes = flash_packed_elems(a) * k.flash_packed_bytes;
+  at::Tensor packed = at::empty({2, bytes}, p.q.options().dtype(at::kByte));
+  a.k_packed = packed[0].data_ptr();
+  a.v_packed = packed[1].data_ptr();
   at::parallel_for(0, p.kv_heads * padded / 16, 16, [&](int64_t i0, int64_t i1) {
     k.flash_pack(a, i0, i1);
   });
@@ -219,7 +232,7 @@ void bf16_flash_attention(const LayerKernels& k, const Prefill& p, at::Tensor& o
 
 void blocked_attention(const LayerKernels& k, const Prefill& p, at::Tensor& out) {
   if (flash_fits(k, p.heads, p.kv_heads, p.kv.size(4))) {
-    bf16_flash_attention(k, p, out);
+    kernel_flash_attention(k, p, out);
   } else {
     torch_flash_attention(p, out);
   }
@@ -253,7 +266,7 @@ at::Tensor attention_core(const LayerKernels& k, const at::Tensor& qkv, at::Tens
   // Rows are sequence-major: long prefill chunks go to blocked_attention, the runs of rows
   // between them to the per-row kernel.
   const int64_t min_rows =
-      flash_fits(k, heads, kv_heads, d) ? kBf16FlashMinRows : kTorchFlashMinRows;
+      flash_fits(k, heads, kv_heads, d) ? k.flash_min_rows : kTorchFlashMinRows;
   int64_t pending = 0;
   for (int64_t b = 0; b < s.args.num_seqs; ++b) {
     const int64_t r0 = s.args.query_start[b], r1 = s.args.query_start[b + 1];
@@ -298,17 +311,20 @@ at::Tensor rope_attention(const at::Tensor& qkv, at::Tensor kv, const at::Tensor
   return attention_core(k, qkv, kv, cos_sin, s, heads, kv_heads, scale, window);
 }
 
-// One sequence's prefill attention alone, on either implementation, for tests and benchmarks
-// to compare: q [q_len, H D] rotated, kv_layer holding the context's K / V (ctx keys, the last
-// q_len the rows' own) in the blocks block_table [n] int32 lists. bf16_dots: the vdpbf16ps
-// kernel (raises on a CPU without avx512_bf16, or a geometry it does not run), else torch's.
+// One sequence's prefill attention alone, on one named implementation, for tests and
+// benchmarks to compare: q [q_len, H D] rotated, kv_layer holding the context's K / V (ctx
+// keys, the last q_len the rows' own) in the blocks block_table [n] int32 lists. kernel:
+// "torch" (torch's flash kernel), "avx512_bf16" (the vdpbf16ps kernel) or "avx2" (the fp32 FMA
+// kernel); the last two raise on a CPU that cannot run them, or a geometry they do not run.
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
                              int64_t ctx, int64_t heads, int64_t kv_heads, double scale,
-                             bool bf16_dots) {
+                             const std::string& kernel) {
   check_tensor(q, "q", at::kBFloat16, 2);
   check_tensor(kv, "kv_layer", at::kBFloat16, 5);
   check_tensor(table, "block_table", at::kInt, 1);
   const int64_t d = kv.size(4), bs = kv.size(2), q_len = q.size(0);
+  TORCH_CHECK(kernel == "torch" || kernel == "avx512_bf16" || kernel == "avx2",
+              "dense layer: kernel must be 'torch', 'avx512_bf16' or 'avx2', not '", kernel, "'");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && kv.size(0) == 2 &&
                   kv.size(3) == kv_heads && q.size(1) == heads * d,
               "dense layer: q [T, H D] and kv_layer [2, n, bs, KVH, D] do not match the heads");
@@ -320,16 +336,18 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
   const Prefill p{q, kv, t, ctx, 0, q_len, heads, kv_heads, scale};
-  if (!bf16_dots) {
+  if (kernel == "torch") {
     torch_flash_attention(p, out);
     return out;
   }
-  const char* why = path_unavailable(kPathAvx512Bf16);
-  TORCH_CHECK(why == nullptr, "dense layer: the bf16 flash kernel cannot run: ", why);
-  TORCH_CHECK(flash_fits(kAvx512Bf16, heads, kv_heads, d),
-              "dense layer: the bf16 flash kernel needs head_dim a multiple of 32 up to ",
-              kFlashMaxHeadDim, " and at most ", kFlashMaxGroup, " query heads per kv head");
-  bf16_flash_attention(kAvx512Bf16, p, out);
+  const bool bf16 = kernel == "avx512_bf16";
+  const char* why = path_unavailable(bf16 ? kPathAvx512Bf16 : kPathAvx2);
+  TORCH_CHECK(why == nullptr, "dense layer: the ", kernel, " flash kernel cannot run: ", why);
+  const LayerKernels& k = bf16 ? kAvx512Bf16 : kAvx2;
+  TORCH_CHECK(flash_fits(k, heads, kv_heads, d), "dense layer: the ", kernel,
+              " flash kernel needs head_dim a multiple of 32 up to ", kFlashMaxHeadDim,
+              " and at most ", kFlashMaxGroup, " query heads per kv head");
+  kernel_flash_attention(k, p, out);
   return out;
 }
 
@@ -337,7 +355,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at
 // `pdmesh doctor` prints, and what the routing test checks.
 std::string prefill_attention_kernel(int64_t path) {
   const LayerKernels& k = kernels_for(path);
-  if (k.flash_item != nullptr) return "bf16 flash kernel (vdpbf16ps)";
+  if (k.flash_item != nullptr) return k.flash_name;
   if (path == kPathAvx512Bf16) return "torch's flash kernel (AMX)";
   return "torch's flash kernel (fp32 FMA)";
 }
@@ -568,7 +586,7 @@ TORCH_LIBRARY_FRAGMENT(pdmesh_dense, m) {
       &pdmesh_dense::rope_attention);
   m.def(
       "prefill_attention(Tensor q, Tensor kv_layer, Tensor block_table, int context_len, "
-      "int num_heads, int num_kv_heads, float scale, bool bf16_dots) -> Tensor",
+      "int num_heads, int num_kv_heads, float scale, str kernel) -> Tensor",
       &pdmesh_dense::prefill_attention);
   m.def("prefill_attention_kernel(int path) -> str", &pdmesh_dense::prefill_attention_kernel);
   m.def(
