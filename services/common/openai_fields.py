@@ -114,6 +114,8 @@ COMMON = table(
               "penalties and sampling (-100 in effect bans the token, 100 forces it)."),
     Field("return_token_ids", Kind.BOOLEAN, False),
     Field("user", Kind.STRING, doc="OpenAI's end-user id; accepted, not used."),
+    Field("prompt_logprobs", Kind.JSON, schema={"not": {}},
+          doc="vLLM's; not supported: refused unless null."),
     Field("kv_transfer_params", Kind.JSON, schema={"type": "object"},
           doc="The P/D contract between the router and the workers (internal)."),
 ) + STRUCTURED
@@ -123,6 +125,9 @@ COMPLETION = table(
         _STR, {"type": "array", "minItems": 1, "items": _STR}, _TOKENS,
         {"type": "array", "minItems": 1, "items": _TOKENS}]}),
     Field("suffix", Kind.JSON, schema={"not": {}}, doc="Not supported."),
+    Field("best_of", Kind.INTEGER, None, lo=1, hi=MAX_CHOICES,
+          doc="Only equal to n: ranking more candidates than n is not supported (nor in vLLM "
+              "V1)."),
     Field("echo", Kind.BOOLEAN, False, doc="Not together with logprobs."),
     Field("logprobs", Kind.INTEGER, None, lo=0, hi=MAX_COMPLETION_LOGPROBS),
     Field("max_tokens", Kind.INTEGER, 16, lo=1, hi=INT64_MAX),

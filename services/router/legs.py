@@ -103,7 +103,8 @@ def needs_single_worker(kind: ApiKind, body: dict[str, Any]) -> str | None:
 
     Only well-formed values count: a malformed `n` or `prompt` stays on the usual route, where
     the worker's own 400 names the field. `best_of`, `echo`, `logprobs`, `top_logprobs` and
-    `prompt_logprobs` are served by the legs as by a mixed worker, so they stay on P/D.
+    `prompt_logprobs` are served (or refused) by the legs as by a mixed worker, so they stay on
+    P/D.
     """
     n = body.get("n")
     if isinstance(n, int | float) and not isinstance(n, bool) and n > 1:

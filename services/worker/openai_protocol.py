@@ -121,6 +121,8 @@ def parse_common(f: Fields, tool_spec: StructuredOutputSpec | None = None) -> Co
     """The shared fields; `tool_spec` is the constraint of a chat request's tool_choice."""
     model = f.read(COMMON["model"])
     f.read(COMMON["user"])  # accepted (type-checked), not used
+    if f.has(COMMON["prompt_logprobs"].name):
+        raise invalid("prompt_logprobs", "prompt_logprobs is not supported")
     stream = f.read(COMMON["stream"])
     options = f.read(COMMON["stream_options"])
     if options is not None and not stream:
@@ -193,6 +195,10 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
         raise invalid(RESUME_FIELD, "resumes one prompt only")
     if f.has(COMPLETION["suffix"].name):
         raise invalid("suffix", "suffix is not supported")
+    best_of = f.read(COMPLETION["best_of"])
+    if best_of is not None and best_of != common.sampling.n:
+        raise invalid("best_of", f"best_of must equal n ({common.sampling.n}): ranking more "
+                                 "candidates than are returned is not supported")
     echo = f.read(COMPLETION["echo"])
     logprobs = f.read(COMPLETION["logprobs"])
     if echo and logprobs is not None:

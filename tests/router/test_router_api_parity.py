@@ -4,7 +4,7 @@ Tiny random models on real in-process workers (tests.support.pd_mesh), a router 
 P/D pair alone and of a P/D pair plus a mixed worker, each answer compared with a separate
 mixed worker's. Requests no P/D leg can serve (n>1, several prompts) go whole to one worker
 (the mixed one, else the pair's decode, which computes the prompt itself); echo, logprobs,
-top_logprobs, best_of and prompt_logprobs stay on P/D. Greedy or seeded, so outputs are
+top_logprobs and best_of stay on P/D. Greedy or seeded, so outputs are
 deterministic; after each request the prefill and decode hold no KV block.
 """
 
@@ -45,9 +45,9 @@ CASES = [
     ("logprobs", COMPLETIONS, {**BASE, "prompt": "Once upon a time", "logprobs": 2}, False),
     ("chat_top_logprobs", CHAT, {**BASE, "messages": CHAT_MESSAGES, "logprobs": True,
                                  "top_logprobs": 2}, False),
-    # Neither is implemented by any worker (unknown fields are ignored): parity, not refusal.
-    ("best_of_prompt_logprobs", COMPLETIONS, {**BASE, **SEEDED, "prompt": "Once upon a time",
-                                              "best_of": 2, "prompt_logprobs": 1}, False),
+    # best_of equal to n changes nothing (more than n is refused: below).
+    ("best_of_n", COMPLETIONS, {**BASE, **SEEDED, "prompt": "Once upon a time", "best_of": 1},
+     False),
 ]
 
 
@@ -283,3 +283,22 @@ async def test_a_failed_mixed_worker_is_retried_on_the_decode(make_mesh) -> None
     assert not mesh.role("prefill")[0].calls
     assert [c.body for c in mixed.calls] == [c.body for c in decode.calls] == [body]
 
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (COMPLETIONS, {"prompt": "Once upon a time", "best_of": 2}, "best_of"),
+    (COMPLETIONS, {"prompt": "Once upon a time", "prompt_logprobs": 1}, "prompt_logprobs"),
+    (CHAT, {"messages": CHAT_MESSAGES, "prompt_logprobs": 0}, "prompt_logprobs"),
+], ids=["best_of", "prompt_logprobs", "chat_prompt_logprobs"])
+async def test_unsupported_fields_get_the_mixed_workers_400(router: Router, workers: Workers,
+                                                            path: str, body: dict[str, Any],
+                                                            param: str) -> None:
+    """What no worker implements (ranking best_of > n candidates, prompt logprobs) is refused
+    through P/D with the mixed worker's envelope, rather than ignored."""
+    request = {**BASE, **body}
+    async with aiohttp.ClientSession() as s:
+        got = await post(s, router.url + path, request)
+        want = await post(s, workers.reference.url + path, request)
+        assert got.status == want.status == 400
+        assert got.body == want.body and got.body["error"]["param"] == param
+        await settle_to_zero(s, workers.prefill.url, workers.decode.url)

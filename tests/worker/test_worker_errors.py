@@ -66,6 +66,12 @@ async def test_malformed_and_non_object_bodies(client: TestClient) -> None:
     (COMP, {"prompt": "x", "stream": "yes"}, "stream"),
     (COMP, {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     (COMP, {"prompt": "x", "suffix": "y"}, "suffix"),
+    (COMP, {"prompt": "x", "best_of": 2}, "best_of"),  # ranking > n candidates: not supported
+    (COMP, {"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+    (COMP, {"prompt": "x", "best_of": 0}, "best_of"),
+    (COMP, {"prompt": "x", "best_of": "2"}, "best_of"),
+    (COMP, {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    (CHAT, {"messages": MSG, "prompt_logprobs": 0}, "prompt_logprobs"),
     (COMP, {"prompt": "x", "logit_bias": {"a": 5}}, "logit_bias"),
     (COMP, {"prompt": "x", "logit_bias": {"-1": 5}}, "logit_bias"),
     (COMP, {"prompt": "x", "logit_bias": {"1": 100.5}}, "logit_bias"),
@@ -114,6 +120,18 @@ async def test_malformed_and_non_object_bodies(client: TestClient) -> None:
 ])
 async def test_bad_fields_are_400_with_param(client: TestClient, path: str, body: dict, param: str) -> None:
     await expect_error(await client.post(path, json=body), 400, param=param)
+
+
+async def test_best_of_equal_to_n_and_null_prompt_logprobs_change_nothing(
+        client: TestClient) -> None:
+    """best_of = n asks for no ranking, and prompt_logprobs: null for none: both are served,
+    with the answer the request without them gets (seeded)."""
+    base = {"prompt": "x", "max_tokens": 3, "n": 2, "seed": 5, "temperature": 0.8}
+    plain = await client.post(COMP, json=base)
+    same = await client.post(COMP, json={**base, "best_of": 2, "prompt_logprobs": None})
+    assert plain.status == same.status == 200
+    texts = [[c["text"] for c in (await r.json())["choices"]] for r in (plain, same)]
+    assert texts[0] == texts[1] and len(texts[0]) == 2
 
 
 async def test_context_length(client: TestClient, fake_engine: FakeEngine) -> None:
