@@ -199,12 +199,18 @@ bool flash_fits(const LayerKernels& k, int64_t heads, int64_t kv_heads, int64_t 
          heads / kv_heads <= kFlashMaxGroup;
 }
 
-// Query tokens per work item of k's flash kernel for `group` query heads per kv head: about
-// k.flash_item_rows rows. More rows reuse each K / V block, which comes from L3 or DRAM at long
-// contexts, for more queries; fewer keep the item's scratch in L2 (flash_avx2.cpp).
-int64_t item_tokens(const LayerKernels& k, int64_t group) {
+// Query tokens per work item of k's flash kernel for a sequence of q_len new rows: about
+// k.flash_item_rows rows (tokens x group). More rows reuse each K / V block, which comes from L3
+// or DRAM at long contexts, for more queries; fewer keep the item's scratch in L2
+// (flash_avx2.cpp). A short chunk takes fewer, so that every thread gets two items: 16 new
+// rows over a long cached context make 3 items of SmolLM2's 3 kv heads, and two threads then
+// take two rounds with one of them idle in the second.
+int64_t item_tokens(const LayerKernels& k, int64_t q_len, int64_t heads, int64_t kv_heads) {
   if (k.flash_item_rows == 0) return kFlashTokens;
-  return std::clamp<int64_t>(k.flash_item_rows / group, 1, kFlashMaxTokens);
+  const int64_t by_rows = k.flash_item_rows / (heads / kv_heads);
+  const int64_t items = 2 * at::get_num_threads();
+  const int64_t by_threads = (q_len * kv_heads + items - 1) / items;
+  return std::clamp<int64_t>(std::min(by_rows, by_threads), 1, kFlashMaxTokens);
 }
 
 // The same attention on k's flash kernel (flash_avx512bf16.cpp, flash_avx2.cpp): K / V packed
@@ -214,7 +220,8 @@ void kernel_flash_attention(const LayerKernels& k, const Prefill& p, at::Tensor&
   const int64_t d = p.kv.size(4), padded = flash_padded_keys(p.ctx);
   FlashArgs a{bits(p.q) + p.r0 * p.heads * d, bits(out) + p.r0 * p.heads * d, bits(p.kv[0]),
               bits(p.kv[1]), p.table, p.kv.size(2), p.q_len, p.ctx, p.heads, p.kv_heads, d,
-              static_cast<float>(p.scale), item_tokens(k, p.heads / p.kv_heads), nullptr, nullptr};
+              static_cast<float>(p.scale), item_tokens(k, p.q_len, p.heads, p.kv_heads), nullptr,
+              nullptr};
   const int64_t bytes = flash_packed_elems(a) * k.flash_packed_bytes;
   at::Tensor packed = at::empty({2, bytes}, p.q.options().dtype(at::kByte));
   a.k_packed = packed[0].data_ptr();
