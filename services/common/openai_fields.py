@@ -149,6 +149,12 @@ CHAT = table(
     Field("top_logprobs", Kind.INTEGER, None, lo=0, hi=MAX_CHAT_TOP_LOGPROBS,
           doc="Needs logprobs: true."),
     Field("add_generation_prompt", Kind.BOOLEAN, True),
+    Field("continue_final_message", Kind.BOOLEAN, False,
+          doc="vLLM's: the prompt ends after the last message's text (no end of turn), so the "
+              "model continues that message; needs add_generation_prompt false."),
+    Field("chat_template_kwargs", Kind.JSON, schema={"type": "object"},
+          doc="vLLM's: extra variables for the chat template (such as enable_thinking); not "
+              "messages, tools or add_generation_prompt, which have their own fields."),
     Field("reasoning_effort", Kind.CHOICE, None, choices=REASONING_EFFORTS,
           doc="gpt-oss (harmony): how long the model reasons; medium if omitted."),
 ) + COMMON + SAMPLING
@@ -158,6 +164,9 @@ TOKENIZE = table(
     Field("prompt", Kind.STRING, doc="Either prompt or messages."),
     Field("messages", Kind.JSON, schema=MESSAGES_SCHEMA),
     Field("add_generation_prompt", Kind.BOOLEAN, True),
+    Field("continue_final_message", Kind.BOOLEAN, False, doc="As in chat completions."),
+    Field("chat_template_kwargs", Kind.JSON, schema={"type": "object"},
+          doc="As in chat completions."),
     Field("add_special_tokens", Kind.BOOLEAN, doc="True for a prompt, false for messages."),
     Field("return_token_strs", Kind.BOOLEAN, False),
 )

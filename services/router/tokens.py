@@ -112,6 +112,13 @@ class PromptTokenizer:
 
 def _encode_local(tok: Any, kind: ApiKind, body: dict[str, Any]) -> list[int]:
     if kind is ApiKind.CHAT:
-        text = tok.apply_chat_template(body.get("messages") or [], add_generation_prompt=True)
+        # The worker's rendering options (a malformed one raises here, and the worker's 400
+        # names it).
+        kwargs = body.get("chat_template_kwargs")
+        text = tok.apply_chat_template(
+            body.get("messages") or [],
+            add_generation_prompt=body.get("add_generation_prompt") is not False,
+            continue_final_message=body.get("continue_final_message") is True,
+            **(kwargs if isinstance(kwargs, dict) else {}))
         return tok.encode(text, add_special_tokens=False)
     return tok.encode(body["prompt"], add_special_tokens=True)

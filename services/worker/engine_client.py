@@ -27,7 +27,8 @@ class TokenizerLike(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = ..., tools: Any = ...
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = ..., tools: Any = ...,
+        continue_final_message: bool = ..., **kwargs: Any
     ) -> str: ...
 
 

@@ -22,6 +22,7 @@ from services.common.openai_fields import (
     MAX_COMPLETION_LOGPROBS,
     SAMPLING,
     STREAM_OPTIONS,
+    FieldTable,
 )
 from services.common.stream_usage import StreamUsage
 from services.worker.chat_messages import ChatTools, parse_messages, parse_tools
@@ -92,6 +93,38 @@ class CompletionRequest:
 
 
 @dataclass(frozen=True)
+class TemplateOptions:
+    """How a chat is rendered into its prompt: `add_generation_prompt`, vLLM's
+    `continue_final_message` (the prompt ends after the last message's text) and
+    `chat_template_kwargs` (extra template variables, as (name, value) pairs)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+
+# Template variables a request sets through their own fields, never through chat_template_kwargs.
+_RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt",
+                                          "continue_final_message"})
+
+
+def parse_template_options(f: Fields, table: FieldTable) -> TemplateOptions:
+    """The chat-rendering fields of `table` (CHAT or TOKENIZE)."""
+    add_generation_prompt = f.read(table["add_generation_prompt"])
+    continue_final_message = f.read(table["continue_final_message"])
+    if continue_final_message and add_generation_prompt:
+        raise invalid("continue_final_message",
+                      "cannot be true with add_generation_prompt (set that to false)")
+    given = f.obj(table["chat_template_kwargs"].name)
+    kwargs: dict[str, Any] = dict(given.data) if given is not None else {}
+    reserved = sorted(_RESERVED_TEMPLATE_VARIABLES & kwargs.keys())
+    if reserved:
+        raise invalid("chat_template_kwargs", f"{reserved[0]!r} is set by its own field")
+    return TemplateOptions(add_generation_prompt, continue_final_message,
+                           tuple(sorted(kwargs.items())))
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     """A chat request; `max_tokens` None means "up to the context length".
 
@@ -106,7 +139,7 @@ class ChatRequest:
     max_tokens_param: str
     logprobs: bool
     top_logprobs: int | None
-    add_generation_prompt: bool
+    template: TemplateOptions
     reasoning_effort: str | None = None  # harmony's system message (gpt-oss); None: medium
 
 
@@ -233,6 +266,6 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         max_tokens_param=max_tokens_param,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
-        add_generation_prompt=f.read(CHAT["add_generation_prompt"]),
+        template=parse_template_options(f, CHAT),
         reasoning_effort=f.read(CHAT["reasoning_effort"]),
     )

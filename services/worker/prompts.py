@@ -15,7 +15,7 @@ from openai_harmony import HarmonyEncoding
 from services.common.errors import BadRequestError
 from services.worker.engine_client import EngineClient
 from services.worker.generation import PreparedPrompt
-from services.worker.openai_protocol import ChatRequest, Prompt, SamplingFields
+from services.worker.openai_protocol import ChatRequest, Prompt, SamplingFields, TemplateOptions
 from shared.engine.sampling_params import SamplingParams
 from shared.model.chat_template import ChatTemplateError
 from shared.model.harmony_template import render_harmony
@@ -64,25 +64,29 @@ class PromptBuilder:
         text = self.tokenizer.decode(list(prompt), skip_special_tokens=False) if need_text else ""
         return PreparedPrompt(token_ids=list(prompt), text=text)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+    def render_chat(self, messages: list[dict[str, Any]], template: TemplateOptions,
                     tools: list[dict[str, Any]] | None,
                     reasoning_effort: str | None = None) -> str:
-        if self.harmony is not None:
+        if self.harmony is not None:  # no chat template: its kwargs have nothing to fill
+            if template.continue_final_message:
+                raise BadRequestError("continue_final_message is not supported for harmony "
+                                      "(gpt-oss) models", param="continue_final_message")
             try:
                 return render_harmony(self.harmony, messages, tools, reasoning_effort,
-                                      add_generation_prompt)
+                                      template.add_generation_prompt)
             except ChatTemplateError as exc:
                 raise BadRequestError(str(exc), param="messages") from None
         try:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tools=tools)
+                messages, add_generation_prompt=template.add_generation_prompt, tools=tools,
+                continue_final_message=template.continue_final_message, **dict(template.kwargs))
         except Exception as exc:  # template errors are caused by the input: a 400, never a 500
             log.debug("chat template failed", exc_info=True)
             raise BadRequestError(f"Chat template error: {exc}", param="messages") from None
 
     def chat_prompt(self, req: ChatRequest) -> PreparedPrompt:
-        text = self.render_chat(list(req.messages), req.add_generation_prompt,
-                                req.tools.for_template, req.reasoning_effort)
+        text = self.render_chat(list(req.messages), req.template, req.tools.for_template,
+                                req.reasoning_effort)
         # The template already holds BOS and friends: no special tokens added (as vLLM).
         ids = self.encode(text, False, "messages")
         if not ids:

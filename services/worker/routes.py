@@ -23,7 +23,11 @@ from services.worker.generation import ENGINE_FAILED
 from services.worker.generation_defaults import with_defaults
 from services.worker.leg_auth import is_trusted_leg_caller
 from services.worker.metadata import build_metadata
-from services.worker.openai_protocol import parse_chat_request, parse_completion_request
+from services.worker.openai_protocol import (
+    parse_chat_request,
+    parse_completion_request,
+    parse_template_options,
+)
 from services.worker.openapi import worker_document
 from services.worker.runtime import WorkerRuntime
 from services.worker.serving import GenerationService
@@ -98,7 +102,7 @@ async def tokenize(request: web.Request) -> web.Response:
     add_special: bool | None = f.read(TOKENIZE["add_special_tokens"])
     if f.has("messages"):
         messages = list(parse_messages(f.read(TOKENIZE["messages"])))
-        text = builder.render_chat(messages, f.read(TOKENIZE["add_generation_prompt"]), None)
+        text = builder.render_chat(messages, parse_template_options(f, TOKENIZE), None)
         add_special = False if add_special is None else add_special
     else:
         text = f.read(TOKENIZE["prompt"])

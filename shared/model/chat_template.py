@@ -118,15 +118,54 @@ class ChatTemplate:
         return self._compiled
 
     def render(self, messages: Any, *, add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+               tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+               **kwargs: Any) -> str:
         """The prompt string for `messages`; template variables are `messages`, `tools`,
-        `add_generation_prompt`, the special tokens (bos_token, eos_token, ...) and `kwargs`."""
+        `add_generation_prompt`, the special tokens (bos_token, eos_token, ...) and `kwargs`.
+        continue_final_message: the prompt stops right after the last message's text, so the
+        model goes on with that message (transformers' rule: `_tag_final_message`); not
+        together with add_generation_prompt."""
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt cannot "
+                                    "both be true")
         template = self._template()
         variables = {**self._special, **kwargs}
+        plain = normalize_messages(messages)
+        if continue_final_message:
+            plain = _tag_final_message(plain)
         try:
-            return template.render(messages=normalize_messages(messages), tools=tools,
+            text = template.render(messages=plain, tools=tools,
                                    add_generation_prompt=add_generation_prompt, **variables)
         except ChatTemplateError:
             raise
         except Exception as e:  # untrusted template code: any failure is the request's fault
             raise ChatTemplateError(f"chat template failed to render: {e}") from e
+        return _cut_at_tag(text, plain[-1]["content"]) if continue_final_message else text
+
+
+# Appended to the last message's text to find where the template rendered its end
+# (transformers' rule for continue_final_message, so both cut the same prompt).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with _CONTINUE_TAG after the last one's text (a copy)."""
+    if not messages:
+        raise ChatTemplateError("continue_final_message: the conversation is empty")
+    content = messages[-1].get("content")
+    if not isinstance(content, str):
+        raise ChatTemplateError("continue_final_message: the last message has no text to "
+                                "continue")
+    return [*messages[:-1], {**messages[-1], "content": content + _CONTINUE_TAG}]
+
+
+def _cut_at_tag(text: str, tagged: str) -> str:
+    """`text` up to the last message's end: before the tag, and before the whitespace the
+    template trimmed (it trimmed the tag's own space too, then)."""
+    content = tagged[:-len(_CONTINUE_TAG)]
+    tag = _CONTINUE_TAG.strip()
+    if content.strip() not in text or tag not in text:
+        raise ChatTemplateError("continue_final_message: the chat template does not render "
+                                "the last message's text as it is")
+    at = text.rindex(tag)
+    return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()

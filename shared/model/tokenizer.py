@@ -132,7 +132,10 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     def apply_chat_template(self, messages: Sequence[Any], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
-        """Render `messages` to a prompt string (HF semantics); raises ChatTemplateError."""
+                            tools: list[dict[str, Any]] | None = None,
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
+        """Render `messages` to a prompt string (HF semantics; `kwargs` are extra template
+        variables); raises ChatTemplateError."""
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
-                                         tools=tools, **kwargs)
+                                         tools=tools, continue_final_message=continue_final_message,
+                                         **kwargs)

@@ -178,6 +178,39 @@ def test_chat_template_matches_transformers(tok: Tokenizer, hf_tok: object, mess
     assert tok.encode(expected, add_special_tokens=False) == hf_tok.encode(expected, add_special_tokens=False)
 
 
+@pytest.mark.parametrize("final", [
+    {"role": "assistant", "content": "The capital is"},
+    {"role": "assistant", "content": "Paris, of course. "},  # trailing space, kept by ChatML
+    {"role": "assistant", "content": "  indented"},  # leading space: cut at the stripped text
+    {"role": "assistant", "content": "Paris"},  # also in an earlier message: the last one counts
+    {"role": "user", "content": "And of Spain?"},  # any role
+    {"role": "assistant", "content": ""},  # an empty message: the prompt ends where it starts
+])
+def test_continue_final_message_matches_transformers(tok: Tokenizer, hf_tok: object,
+                                                     final: dict) -> None:
+    """The prompt ends right after the last message's text, as transformers cuts it."""
+    messages = [*CONVERSATION, {"role": "assistant", "content": "Paris"}, final]
+    expected = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                          continue_final_message=True)
+    assert tok.apply_chat_template(messages, add_generation_prompt=False,
+                                   continue_final_message=True) == expected
+    if final["content"].strip():
+        assert "<|im_end|>" not in expected[expected.rindex(final["content"].strip()):]
+
+
+def test_continue_final_message_errors(tok: Tokenizer) -> None:
+    with pytest.raises(ChatTemplateError, match="cannot both be true"):
+        tok.apply_chat_template(CONVERSATION, add_generation_prompt=True,
+                                continue_final_message=True)
+    with pytest.raises(ChatTemplateError, match="no text to continue"):
+        tok.apply_chat_template([*CONVERSATION, {"role": "assistant", "content": None}],
+                                add_generation_prompt=False, continue_final_message=True)
+    dropping = ChatTemplate("{% for m in messages %}{{ m.content[:20] }}{% endfor %}",
+                            tok.special_tokens)
+    with pytest.raises(ChatTemplateError, match="does not render"):
+        dropping.render(CONVERSATION, add_generation_prompt=False, continue_final_message=True)
+
+
 def test_content_parts_are_flattened(tok: Tokenizer) -> None:
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
     plain = [{"role": "user", "content": "Hello\nthere"}]

@@ -45,6 +45,10 @@ CASES = [
     ("logprobs", COMPLETIONS, {**BASE, "prompt": "Once upon a time", "logprobs": 2}, False),
     ("chat_top_logprobs", CHAT, {**BASE, "messages": CHAT_MESSAGES, "logprobs": True,
                                  "top_logprobs": 2}, False),
+    ("chat_continue_final_message", CHAT, {
+        **BASE, "messages": [*CHAT_MESSAGES, {"role": "assistant", "content": "Red,"}],
+        "add_generation_prompt": False, "continue_final_message": True,
+        "chat_template_kwargs": {"enable_thinking": False}}, False),
     # best_of equal to n changes nothing (more than n is refused: below).
     ("best_of_n", COMPLETIONS, {**BASE, **SEEDED, "prompt": "Once upon a time", "best_of": 1},
      False),

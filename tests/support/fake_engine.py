@@ -51,12 +51,16 @@ class FakeTokenizer:
         return self.decode([token_id], skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: Any = None) -> str:
+                            tools: Any = None, continue_final_message: bool = False,
+                            **kwargs: Any) -> str:
         text = f"<tools>{json.dumps(tools)}\n" if tools else ""
+        text += "".join(f"<{k}={v}>" for k, v in sorted(kwargs.items()))  # template variables
         for m in messages:
             if "RAISE" in m["content"]:
                 raise ValueError("template refused the conversation")
             text += f"<{m['role']}>{m['content']}\n"
+        if continue_final_message:
+            return text[:-1]  # the last message stays open: no newline after it
         return text + ("<assistant>" if add_generation_prompt else "")
 
 

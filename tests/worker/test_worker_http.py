@@ -181,6 +181,24 @@ async def test_chat_tools_reach_the_template(client: TestClient) -> None:
     assert none["usage"]["prompt_tokens"] == len(rendered(templ_messages))
 
 
+async def test_chat_template_options_reach_the_template(client: TestClient) -> None:
+    """continue_final_message and chat_template_kwargs reach the template as they are, in chat
+    completions and /tokenize alike (what they render: tests/model/test_tokenizer.py, against
+    transformers)."""
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Once"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True,
+               "chat_template_kwargs": {"enable_thinking": False, "style": "brief"}}
+    want = FakeTokenizer().encode(FakeTokenizer().apply_chat_template(
+        messages, False, None, continue_final_message=True, enable_thinking=False,
+        style="brief"), False)
+    body = await post(client, "/v1/chat/completions", {
+        "messages": messages, "max_tokens": 1, "return_token_ids": True, **options})
+    assert body["choices"][0]["prompt_token_ids"] == want
+    assert (await post(client, "/tokenize", {"messages": messages, **options}))["tokens"] == want
+    plain = await post(client, "/tokenize", {"messages": messages})
+    assert plain["tokens"] == rendered(messages)
+
+
 async def test_chat_return_token_ids(client: TestClient) -> None:
     body = await post(client, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "return_token_ids": True})
