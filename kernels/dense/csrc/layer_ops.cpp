@@ -76,7 +76,7 @@ constexpr int64_t kTorchFlashMinRows = 64;
 constexpr LayerKernels kAvx512{rms_norm_avx512, add_inplace_avx512, silu_mul_avx512,
                                rope_store_avx512, attend_avx512};
 // The avx2 tier runs prefill attention on its fp32 FMA kernel (flash_avx2.cpp): torch's kernel
-// reaches about a third of the FMA peak there (README, "Prefill attention on AVX2").
+// reaches a quarter to half of the FMA peak there (README, "Prefill attention on AVX2").
 constexpr LayerKernels kAvx2{rms_norm_avx2, add_inplace_avx2, silu_mul_avx2, rope_store_avx2,
                              attend_avx2, flash_pack_avx2, flash_item_avx2, 4, 16, 96,
                              "fp32 flash kernel (AVX2 FMA)"};
